@@ -1,0 +1,27 @@
+# `make demo` and `make test` create (or reuse) .venv and install everything they need.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+# The CPU wheel; on a GPU machine use the torch that matches its CUDA: `make TORCH=torch demo`.
+TORCH  ?= torch==2.13.0
+STAMP  := $(VENV)/.fp8train-installed
+
+.PHONY: install demo test bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/fp8train demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -x tests
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,122 @@
+"""FP8Linear vs BF16 nn.Linear at the Qwen2.5-1.5B and -7B projection shapes (one GPU, one process).
+
+    PYTHONPATH=. python benchmarks/bench_linear.py [--tokens 8192] [--out results.json]
+
+For each (N x K) it times, with CUDA events (median of repeated runs after warm-up):
+  bf16 fwd / fwd+bwd      nn.Linear with BF16 weights
+  fp8  fwd / fwd+bwd      FP8Linear, hybrid recipe, ALL quantization included (the weight re-quantized
+                          every call: the cache is cleared, as on the first micro-batch of a step)
+  raw GEMMs               torch.nn.functional.scaled_mm on pre-quantized operands for output
+                          (1x128 . 128x128), grad_input (1x128 . 128x128), grad_weight (1x128 . 1x128),
+                          against torch.mm in BF16 on the same shapes
+  quant                   the fused activation kernel (both FP8 copies) and the weight kernel
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+import triton.testing
+
+from fp8train import FP8Linear
+from fp8train import _triton_quant
+from fp8train.linear import _fp8_mm, _quantize_activation, _quantize_weight
+from fp8train.recipe import make_recipe
+
+SHAPES = {  # (N, K) = (out_features, in_features)
+    "1.5B q/o": (1536, 1536), "1.5B k/v": (256, 1536), "1.5B gate/up": (8960, 1536), "1.5B down": (1536, 8960),
+    "7B q/o": (3584, 3584), "7B k/v": (512, 3584), "7B gate/up": (18944, 3584), "7B down": (3584, 18944),
+}
+
+
+def _ms(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def bench_shape(M: int, N: int, K: int) -> dict:
+    torch.manual_seed(0)
+    dev = "cuda"
+    x = torch.randn(M, K, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(M, N, device=dev, dtype=torch.bfloat16)
+    bf16 = torch.nn.Linear(K, N, bias=False, device=dev, dtype=torch.bfloat16)
+    fp8 = FP8Linear.from_linear(torch.nn.Linear(K, N, bias=False, device=dev, dtype=torch.bfloat16), "hybrid")
+    r = {}
+    r["bf16_fwd"] = _ms(lambda: bf16(x))
+
+    def bf16_step():
+        bf16(x).backward(g)
+
+    def fp8_fwd():
+        fp8._weight_cache = None
+        return fp8(x)
+
+    def fp8_step():
+        fp8._weight_cache = None
+        fp8(x).backward(g)
+
+    r["bf16_fwdbwd"] = _ms(bf16_step)
+    r["fp8_fwd"] = _ms(fp8_fwd)
+    r["fp8_fwdbwd"] = _ms(fp8_step)
+    fp8._weight_cache = None
+    r["fp8_fwdbwd_cached_w"] = _ms(lambda: fp8(x).backward(g))  # later micro-batches of a step
+
+    recipe = make_recipe("hybrid")
+    with torch.no_grad():
+        xa, xt = _quantize_activation(x.detach(), recipe.output.a, recipe.grad_weight.b, True, True)
+        ga, gt = _quantize_activation(g, recipe.grad_input.a, recipe.grad_weight.a, True, True)
+        wo, wgi = _quantize_weight(fp8.weight.detach(), recipe, True)
+        wb = fp8.weight.detach()
+        r["gemm_output_fp8"] = _ms(lambda: _fp8_mm(xa, wo, torch.bfloat16, True))
+        r["gemm_grad_input_fp8"] = _ms(lambda: _fp8_mm(ga, wgi, torch.bfloat16, True))
+        r["gemm_grad_weight_fp8"] = _ms(lambda: _fp8_mm(gt, xt, torch.float32, True))
+        r["gemm_output_bf16"] = _ms(lambda: torch.mm(x.detach(), wb.t()))
+        r["gemm_grad_input_bf16"] = _ms(lambda: torch.mm(g, wb))
+        r["gemm_grad_weight_bf16"] = _ms(lambda: torch.mm(g.t(), x.detach()))
+        fmt = recipe.output.a.fmt
+        r["quant_input"] = _ms(lambda: _triton_quant.quantize_tiles_and_transpose(x.detach(), fmt, fmt, True, 512))
+        r["quant_grad_output"] = _ms(lambda: _triton_quant.quantize_tiles_and_transpose(g, fmt, fmt, True, 512))
+        r["quant_weight"] = _ms(lambda: _triton_quant.quantize_blocks_and_transpose(wb, fmt, True, 512))
+    return r
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--out", default=None, help="write the raw numbers as JSON here")
+    ap.add_argument("--shapes", nargs="*", default=list(SHAPES))
+    args = ap.parse_args(argv)
+    M = args.tokens
+    results = {}
+    print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}  tokens M={M}", flush=True)
+    hdr = ("shape", "N x K", "bf16 fwd us", "fp8 fwd us", "fwd x", "bf16 f+b us", "fp8 f+b us", "f+b x",
+           "f+b x (w cached)", "out TF/s fp8|bf16", "dgrad TF/s", "wgrad TF/s", "quant us in|go|w")
+    print("| " + " | ".join(hdr) + " |")
+    print("|" + "---|" * len(hdr))
+    for name in args.shapes:
+        N, K = SHAPES[name]
+        r = bench_shape(M, N, K)
+        results[name] = {"N": N, "K": K, "M": M, **r}
+        fl = 2 * M * N * K
+        tf = lambda ms: fl / (ms * 1e-3) / 1e12
+        row = (
+            name, f"{N} x {K}",
+            f"{r['bf16_fwd'] * 1e3:.0f}", f"{r['fp8_fwd'] * 1e3:.0f}", f"{r['bf16_fwd'] / r['fp8_fwd']:.2f}",
+            f"{r['bf16_fwdbwd'] * 1e3:.0f}", f"{r['fp8_fwdbwd'] * 1e3:.0f}", f"{r['bf16_fwdbwd'] / r['fp8_fwdbwd']:.2f}",
+            f"{r['bf16_fwdbwd'] / r['fp8_fwdbwd_cached_w']:.2f}",
+            f"{tf(r['gemm_output_fp8']):.0f} / {tf(r['gemm_output_bf16']):.0f}",
+            f"{tf(r['gemm_grad_input_fp8']):.0f} / {tf(r['gemm_grad_input_bf16']):.0f}",
+            f"{tf(r['gemm_grad_weight_fp8']):.0f} / {tf(r['gemm_grad_weight_bf16']):.0f}",
+            f"{r['quant_input'] * 1e3:.0f} / {r['quant_grad_output'] * 1e3:.0f} / {r['quant_weight'] * 1e3:.0f}",
+        )
+        print("| " + " | ".join(row) + " |", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "results": results}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

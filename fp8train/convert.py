@@ -1,0 +1,117 @@
+"""Model conversion: swap the decoder's projection Linears for FP8Linear, in place.
+
+Converted (the recipe's list): q, k, v, o projections and the MLP's gate, up, down projections.
+Left in BF16: embeddings, the LM head, norms and everything that is not an nn.Linear. A Linear whose
+dimensions are not multiples of 16 (the FP8 tensor-core alignment) is skipped and reported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .linear import FP8Linear
+from .recipe import Fp8Recipe, make_recipe
+
+__all__ = ["ConversionReport", "convert_to_fp8", "track_fp8_health", "summarize_fp8_health", "DECODER_PROJECTIONS"]
+
+DECODER_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass
+class ConversionReport:
+    recipe: str
+    converted: list[str] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        lines = [f"fp8train: recipe {self.recipe}: {len(self.converted)} Linear layers in FP8, {len(self.skipped)} kept in BF16"]
+        reasons = defaultdict(list)
+        for name, why in self.skipped.items():
+            reasons[why].append(name)
+        for why, names in reasons.items():
+            shown = ", ".join(names[:3]) + (f", ... ({len(names)} in all)" if len(names) > 3 else "")
+            lines.append(f"  kept in BF16 ({why}): {shown}")
+        return "\n".join(lines)
+
+
+def _is_decoder_projection(module: nn.Module, fqn: str) -> bool:
+    return fqn.rsplit(".", 1)[-1] in DECODER_PROJECTIONS
+
+
+def convert_to_fp8(
+    model: nn.Module,
+    recipe: "str | Fp8Recipe" = "hybrid",
+    module_filter_fn: Callable[[nn.Module, str], bool] | None = None,
+) -> ConversionReport:
+    """Swap eligible nn.Linear modules of `model` for FP8Linear, keeping the same Parameter objects.
+
+    module_filter_fn(module, fqn) -> bool picks the Linears to convert; the default picks the decoder
+    projections (q/k/v/o, gate/up/down). The LM head is never converted. Returns a report of what was
+    converted and why the rest was skipped. With recipe "bf16" nothing is converted.
+    """
+    recipe = make_recipe(recipe)
+    report = ConversionReport(recipe.name.value)
+    if not recipe.enabled:
+        return report
+    wanted = module_filter_fn or _is_decoder_projection
+    lm_head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    input_cache = WeakIdKeyDictionary()  # shared by siblings that read the same tensor (q/k/v, gate/up)
+    for fqn, module in list(model.named_modules()):
+        if not isinstance(module, nn.Linear):
+            continue
+        if isinstance(module, FP8Linear):
+            report.skipped[fqn] = "already FP8Linear"
+        elif module is lm_head or fqn.rsplit(".", 1)[-1] == "lm_head":
+            report.skipped[fqn] = "LM head stays BF16"
+        elif not wanted(module, fqn):
+            report.skipped[fqn] = "not selected by the filter"
+        elif module.in_features % 16 or module.out_features % 16:
+            report.skipped[fqn] = "dims not multiples of 16"
+        else:
+            parent_name, _, child = fqn.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            setattr(parent, child, FP8Linear.from_linear(module, recipe, input_cache))
+            report.converted.append(fqn)
+    return report
+
+
+@contextlib.contextmanager
+def track_fp8_health(model: nn.Module) -> Iterator[dict]:
+    """A forward + backward inside this context fills the yielded dict:
+    {layer fqn: {"input" | "weight" | "grad_output": {"underflow", "saturation", "scale_min", "scale_max"}}}
+    underflow = fraction of non-zero values that became 0 in FP8; saturation = fraction at +-fmt.max."""
+    stats: dict = {}
+    layers = [(n, m) for n, m in model.named_modules() if isinstance(m, FP8Linear) and m.recipe.enabled]
+    for name, m in layers:
+        m._health = stats.setdefault(name, {})
+    try:
+        yield stats
+    finally:
+        for _, m in layers:
+            m._health = None
+
+
+def summarize_fp8_health(stats: dict) -> dict:
+    """Aggregate per-layer health by layer type (q_proj, ..., down_proj) and role: the mean underflow and
+    saturation fractions and the overall scale range."""
+    acc: dict = defaultdict(lambda: {"underflow": [], "saturation": [], "scale_min": [], "scale_max": []})
+    for fqn, roles in stats.items():
+        kind = fqn.rsplit(".", 1)[-1]
+        for role, s in roles.items():
+            for k in acc[(kind, role)]:
+                acc[(kind, role)][k].append(s[k])
+    out: dict = {}
+    for (kind, role), v in sorted(acc.items()):
+        out.setdefault(kind, {})[role] = {
+            "underflow": sum(v["underflow"]) / len(v["underflow"]),
+            "saturation": sum(v["saturation"]) / len(v["saturation"]),
+            "scale_min": min(v["scale_min"]),
+            "scale_max": max(v["scale_max"]),
+        }
+    return out

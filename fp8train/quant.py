@@ -1,0 +1,130 @@
+"""Block-scaled FP8 quantization: the plain PyTorch reference and the fused CUDA entry points.
+
+Convention, used everywhere in fp8train: `scale` is the dequantize multiplier,
+
+    x ~ data.float() * scale        (per block),        scale = amax(block) / fmt.max
+
+computed just in time from the tensor itself, rounded up to a power of two by default (so dividing by
+it is exact in binary). An all-zero block gets scale 1. A block that holds NaN or +-Inf gets a
+non-finite scale and dequantizes to NaN everywhere: non-finite values are never clipped into finite
+ones, so a diverging run shows NaN rather than silently wrong numbers.
+
+Blocks are (rows, cols) over the input viewed as 2-D rows: an N-D tensor is flattened to
+[prod(shape[:-1]), shape[-1]], a 1-D tensor is one row. A block dimension of -1 spans the whole
+dimension, `block=None` means one scale for the tensor. The last block in each dimension may be
+ragged (the shape need not be a multiple of the block).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .recipe import Block, Fp8Format
+
+__all__ = ["Fp8Tensor", "quantize", "dequantize"]
+
+_FP32_TINY = torch.finfo(torch.float32).tiny
+_ALLOWED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+@dataclass
+class Fp8Tensor:
+    """An FP8 tensor with one FP32 scale per block: x ~ data * scale."""
+
+    data: torch.Tensor   # float8, same shape as the source
+    scale: torch.Tensor  # float32, [ceil(rows / br), ceil(cols / bc)]; 0-D for per-tensor
+    block: Block
+    fmt: Fp8Format
+
+    def dequantize(self) -> torch.Tensor:
+        return dequantize(self)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    if x.dim() == 0:
+        raise ValueError("quantize: expected a tensor with at least 1 dimension, got a scalar")
+    return x.reshape(1, -1) if x.dim() == 1 else x.reshape(-1, x.shape[-1])
+
+
+def _resolve_block(block: Block, shape: tuple[int, int]) -> tuple[int, int] | None:
+    if block is None:
+        return None
+    if len(block) != 2:
+        raise ValueError(f"quantize: block must be (rows, cols) or None, got {block!r}")
+    br, bc = (shape[i] if b == -1 else b for i, b in enumerate(block))
+    if not (isinstance(br, int) and isinstance(bc, int)) or br < 1 or bc < 1:
+        raise ValueError(f"quantize: block sizes must be positive integers or -1, got {block!r}")
+    return max(br, 1), max(bc, 1)
+
+
+def compute_scale(amax: torch.Tensor, fmt: Fp8Format, pow2_scale: bool) -> torch.Tensor:
+    """FP32 dequantize scale from a block amax: amax / fmt.max, 1 where amax == 0, optionally rounded
+    up to the next power of two (bit-exact: keep the exponent, bump it when any mantissa bit is set)."""
+    s = amax.float() / fmt.max
+    s = torch.where(amax == 0, torch.ones_like(s), s).clamp_min(_FP32_TINY)  # NaN passes through
+    if pow2_scale:
+        bits = s.view(torch.int32)
+        exp = bits & 0x7F800000
+        up = exp + torch.where((bits & 0x007FFFFF) != 0, 1 << 23, 0).to(torch.int32)
+        s = torch.where(torch.isfinite(s), up.view(torch.float32), s)
+    return s
+
+
+def _check_input(x: torch.Tensor, where: str) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{where}: expected a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in _ALLOWED_DTYPES:
+        raise ValueError(f"{where}: expected a floating-point tensor (fp32/bf16/fp16/fp64), got {x.dtype}")
+
+
+def quantize(
+    x: torch.Tensor,
+    block: Block = (1, 128),
+    fmt: Fp8Format | str = "e4m3",
+    pow2_scale: bool = True,
+) -> Fp8Tensor:
+    """Quantize `x` to FP8 with one scale per `block` (reference implementation, any device).
+
+    Returns an `Fp8Tensor` whose `.data` has x's shape and whose `.scale` has one FP32 value per block.
+    """
+    _check_input(x, "quantize")
+    fmt = Fp8Format.parse(fmt)
+    x2 = _rows(x)
+    data, scale = _quantize_2d(x2, _resolve_block(block, tuple(x2.shape)), fmt, pow2_scale)
+    return Fp8Tensor(data.reshape(x.shape), scale, block, fmt)
+
+
+def _quantize_2d(x: torch.Tensor, block, fmt: Fp8Format, pow2_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    xf = x.float()
+    if block is None:
+        scale = compute_scale(xf.abs().amax(), fmt, pow2_scale)
+        return (xf / scale).clamp(-fmt.max, fmt.max).to(fmt.dtype), scale
+    R, C = xf.shape
+    br, bc = block
+    nr, nc = -(-R // br), -(-C // bc)
+    padded = torch.nn.functional.pad(xf, (0, nc * bc - C, 0, nr * br - R))  # zeros leave amax alone
+    blocks = padded.view(nr, br, nc, bc)
+    amax = blocks.abs().amax(dim=(1, 3))
+    if R == 0 or C == 0:
+        amax = torch.zeros(nr, nc, device=x.device)
+    scale = compute_scale(amax, fmt, pow2_scale)
+    q = (blocks / scale[:, None, :, None]).clamp(-fmt.max, fmt.max).to(fmt.dtype)
+    q = q.view(nr * br, nc * bc)
+    return (q if q.shape == (R, C) else q[:R, :C].contiguous()), scale
+
+
+def expand_scale(scale: torch.Tensor, block, shape: tuple[int, int]) -> torch.Tensor:
+    """Per-element view of per-block scales for a 2-D tensor of `shape` (block already resolved)."""
+    if block is None:
+        return scale.expand(shape)
+    br, bc = block
+    return scale.repeat_interleave(br, 0).repeat_interleave(bc, 1)[: shape[0], : shape[1]]
+
+
+def dequantize(q: Fp8Tensor) -> torch.Tensor:
+    """FP32 values of `q`: data * scale, block by block."""
+    d2 = _rows(q.data).float()
+    block = _resolve_block(q.block, tuple(d2.shape))
+    return (d2 * expand_scale(q.scale, block, tuple(d2.shape))).reshape(q.data.shape)

@@ -1,0 +1,141 @@
+"""FP8 recipes: which format and which scaling granularity each GEMM operand gets.
+
+A converted Linear runs three GEMMs, each `a @ b.T` with both operands stored row-major with the
+contraction dimension last (the "operand layout"):
+
+    output      = input       [tokens, in ] @ weight      [out, in   ].T
+    grad_input  = grad_output [tokens, out] @ weight.T    [in,  out  ].T
+    grad_weight = grad_output.T [out, tokens] @ input.T   [in,  tokens].T
+
+A `Block` is the (rows, cols) tile of the operand that shares one scale: (1, 128) is one scale per row
+per 128 contraction elements, (128, 128) a square block, (1, -1) a whole row (row-wise), and `None`
+one scale for the whole tensor. Because every block is given in operand layout, the token-dim tiles of
+the recipe's Wgrad are simply (1, 128) blocks of the transposed operands.
+
+One frozen `Fp8Recipe` is made from a name; nothing else in the package decides numerics.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, replace
+
+import torch
+
+__all__ = ["Fp8Format", "RecipeName", "OperandConfig", "GemmConfig", "Fp8Recipe", "make_recipe"]
+
+Block = tuple[int, int] | None
+
+
+class Fp8Format(enum.Enum):
+    """The two OCP FP8 formats: E4M3 (more precision) and E5M2 (more range)."""
+
+    E4M3 = "e4m3"
+    E5M2 = "e5m2"
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.float8_e4m3fn if self is Fp8Format.E4M3 else torch.float8_e5m2
+
+    @property
+    def max(self) -> float:
+        """Largest finite magnitude: 448 for E4M3, 57344 for E5M2."""
+        return float(torch.finfo(self.dtype).max)
+
+    @property
+    def mantissa_bits(self) -> int:
+        return 3 if self is Fp8Format.E4M3 else 2
+
+    @classmethod
+    def parse(cls, value: "Fp8Format | str") -> "Fp8Format":
+        if isinstance(value, Fp8Format):
+            return value
+        try:
+            return cls(str(value).lower())
+        except ValueError:
+            raise ValueError(f"unknown FP8 format {value!r}; expected one of {[f.value for f in cls]}") from None
+
+
+class RecipeName(enum.Enum):
+    HYBRID = "hybrid"          # InfiR2 / DeepSeek-V3: 1x128 activations, 128x128 weights, E4M3 everywhere
+    TENSORWISE = "tensorwise"  # one scale per tensor, E4M3 forward and E5M2 gradients
+    ROWWISE = "rowwise"        # one scale per row of each operand, E4M3
+    BF16 = "bf16"              # nothing converted: the baseline
+
+
+@dataclass(frozen=True)
+class OperandConfig:
+    fmt: Fp8Format
+    block: Block
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    a: OperandConfig
+    b: OperandConfig
+
+
+@dataclass(frozen=True)
+class Fp8Recipe:
+    """Numerics of every converted Linear. Build it with `make_recipe(name)`.
+
+    pow2_scale: round each scale up to a power of two, so that scaling is exact in binary (the default,
+    as in the paper); False keeps the exact FP32 value amax / fmt.max.
+    """
+
+    name: RecipeName
+    output: GemmConfig | None
+    grad_input: GemmConfig | None
+    grad_weight: GemmConfig | None
+    pow2_scale: bool = True
+
+    @property
+    def enabled(self) -> bool:
+        return self.name is not RecipeName.BF16
+
+    @property
+    def weight_block(self) -> Block:
+        return self.output.b.block if self.output else None
+
+    def with_pow2_scale(self, pow2_scale: bool) -> "Fp8Recipe":
+        return replace(self, pow2_scale=pow2_scale)
+
+
+def _gemm(fa: Fp8Format, ba: Block, fb: Fp8Format, bb: Block) -> GemmConfig:
+    return GemmConfig(OperandConfig(fa, ba), OperandConfig(fb, bb))
+
+
+_E4, _E5 = Fp8Format.E4M3, Fp8Format.E5M2
+_TILE, _BLOCK, _ROW = (1, 128), (128, 128), (1, -1)
+
+_RECIPES = {
+    RecipeName.HYBRID: dict(
+        output=_gemm(_E4, _TILE, _E4, _BLOCK),       # input per token tile, weight per 128x128 block
+        grad_input=_gemm(_E4, _TILE, _E4, _BLOCK),   # grad_output per token tile, weight.T per block
+        grad_weight=_gemm(_E4, _TILE, _E4, _TILE),   # both operands tiled along the token dim
+    ),
+    RecipeName.TENSORWISE: dict(
+        output=_gemm(_E4, None, _E4, None),
+        grad_input=_gemm(_E5, None, _E4, None),
+        grad_weight=_gemm(_E5, None, _E4, None),
+    ),
+    RecipeName.ROWWISE: dict(
+        output=_gemm(_E4, _ROW, _E4, _ROW),
+        grad_input=_gemm(_E4, _ROW, _E4, _ROW),
+        grad_weight=_gemm(_E4, _ROW, _E4, _ROW),
+    ),
+    RecipeName.BF16: dict(output=None, grad_input=None, grad_weight=None),
+}
+
+
+def make_recipe(name: "str | RecipeName | Fp8Recipe" = "hybrid", *, pow2_scale: bool | None = None) -> Fp8Recipe:
+    """The frozen recipe for `name` ('hybrid', 'tensorwise', 'rowwise' or 'bf16')."""
+    if isinstance(name, Fp8Recipe):
+        return name if pow2_scale is None else name.with_pow2_scale(pow2_scale)
+    try:
+        rname = name if isinstance(name, RecipeName) else RecipeName(str(name).lower())
+    except ValueError:
+        raise ValueError(
+            f"unknown FP8 recipe {name!r}; expected one of {[r.value for r in RecipeName]}"
+        ) from None
+    return Fp8Recipe(name=rname, pow2_scale=True if pow2_scale is None else bool(pow2_scale), **_RECIPES[rname])

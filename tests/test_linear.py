@@ -1,0 +1,150 @@
+"""FP8Linear: the three GEMMs against FP64 and against an independent fake-quant reference.
+
+SQNR thresholds: E4M3 rounds to 3 mantissa bits, a relative error uniform in +-2^-4, i.e. noise power
+2^-8/3 of the signal: ~28.8 dB for one quantized operand and ~25.8 dB for a product of two. We require
+25 dB for the E4M3 recipes; E5M2 gradients (2 mantissa bits) lose ~6 dB, so 19 dB for tensorwise.
+"""
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from fp8train import FP8Linear, dequantize, quantize
+from fp8train.linear import _quantize_activation
+from fp8train.recipe import make_recipe
+
+THRESHOLD_DB = {"hybrid": 25.0, "rowwise": 25.0, "tensorwise": 19.0}
+
+
+def sqnr(x, ref):
+    x, ref = x.detach().double(), ref.detach().double()
+    return float(10 * torch.log10(ref.pow(2).sum() / (x - ref).pow(2).sum()))
+
+
+def _setup(recipe, K=384, N=256, shape=(3, 70), seed=0, bias=True, outliers=False):
+    torch.manual_seed(seed)
+    lin = torch.nn.Linear(K, N, bias=bias)
+    x = torch.randn(*shape, K)
+    if outliers:  # a few tokens with huge activations, as in real models (attention sinks)
+        x[0, :2] *= 1e4
+    g = torch.randn(*shape, N)
+    m = FP8Linear.from_linear(torch.nn.Linear(K, N, bias=bias), recipe)
+    with torch.no_grad():
+        m.weight.copy_(lin.weight)
+        if bias:
+            m.bias.copy_(lin.bias)
+    return lin, m, x, g
+
+
+def _run(m, x, g):
+    xr = x.clone().requires_grad_()
+    y = m(xr)
+    y.backward(g)
+    return y.detach(), xr.grad, m.weight.grad, (m.bias.grad if m.bias is not None else None)
+
+
+def _fp64(lin, x, g):
+    K, N = lin.in_features, lin.out_features
+    w = lin.weight.double()
+    y = x.double() @ w.t() + lin.bias.double()
+    return y, g.double() @ w, g.reshape(-1, N).double().t() @ x.reshape(-1, K).double(), g.double().sum((0, 1))
+
+
+@pytest.mark.parametrize("recipe", ["hybrid", "tensorwise", "rowwise"])
+def test_three_gemms_against_fp64(recipe):
+    lin, m, x, g = _setup(recipe)
+    got, ref = _run(m, x, g), _fp64(lin, x, g)
+    for name, a, r in zip(("output", "grad_input", "grad_weight"), got, ref):
+        assert sqnr(a, r) > THRESHOLD_DB[recipe], f"{recipe} {name}: {sqnr(a, r):.1f} dB"
+        assert sqnr(a, r) < 45, "suspiciously exact: is FP8 quantization actually applied?"
+    assert torch.allclose(got[3].double(), ref[3], rtol=1e-5, atol=1e-4)  # bias grad stays high precision
+
+
+def test_hybrid_beats_tensorwise_on_outlier_channels():
+    results = {}
+    for recipe in ("hybrid", "tensorwise"):
+        lin, m, x, g = _setup(recipe, outliers=True)
+        # accuracy on the ordinary tokens, which a per-tensor scale pushes into FP8's subnormals
+        results[recipe] = sqnr(_run(m, x, g)[0][1:], _fp64(lin, x, g)[0][1:])
+    assert results["hybrid"] > 25 and results["hybrid"] > results["tensorwise"] + 5, results
+
+
+def test_emulated_path_equals_fake_quant_reference():
+    lin, m, x, g = _setup("hybrid", bias=False)
+    y, dx, dw, _ = _run(m, x, g)
+    fq = lambda t, block: dequantize(quantize(t, block))  # noqa: E731
+    x2, g2, w = x.reshape(-1, 384), g.reshape(-1, 256), lin.weight.detach()
+    assert torch.equal(y.reshape(-1, 256), fq(x2, (1, 128)) @ fq(w, (128, 128)).t())
+    assert torch.equal(dx.reshape(-1, 384), fq(g2, (1, 128)) @ fq(w.t(), (128, 128)).t())
+    assert torch.equal(dw, fq(g2.t(), (1, 128)) @ fq(x2.t(), (1, 128)).t())
+
+
+def test_wgrad_operands_requantized_from_high_precision():
+    x = torch.randn(300, 256) * torch.logspace(-2, 2, 256)
+    r = make_recipe("hybrid")
+    rows, cols = _quantize_activation(x, r.output.a, r.grad_weight.b, True, False)
+    assert torch.equal(cols.data.view(torch.uint8), quantize(x.t(), (1, 128)).data.view(torch.uint8))
+    double = quantize(dequantize(quantize(x, (1, 128))).t(), (1, 128))
+    assert not torch.equal(cols.data.view(torch.uint8), double.data.view(torch.uint8))
+
+
+def test_saves_fp8_not_bf16_for_backward():
+    _, m, x, g = _setup("hybrid", K=512, N=512, shape=(4, 128))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = m(x.bfloat16().requires_grad_())
+    big = [t for t in saved if t.numel() >= x.numel()]
+    assert big and all(t.element_size() == 1 for t in big), [(t.dtype, t.shape) for t in big]
+    y.backward(g.bfloat16())
+
+
+def test_autocast_3d_bias_and_dtypes():
+    _, m, x, g = _setup("hybrid", shape=(2, 5, 7))
+    with torch.autocast("cpu", torch.bfloat16):
+        y = m(x)
+    assert y.dtype == torch.bfloat16 and y.shape == (2, 5, 7, 256)
+    assert m(x).dtype == torch.float32
+    xr = x.bfloat16().requires_grad_()
+    m(xr).backward(g.bfloat16())
+    assert xr.grad.dtype == torch.bfloat16 and m.weight.grad.dtype == torch.float32
+
+
+def test_weight_cache_follows_updates():
+    _, m, x, _ = _setup("hybrid")
+    y1 = m(x)
+    cached = m._weight_cache
+    assert m(x) is not None and m._weight_cache is cached  # reused while the weight is unchanged
+    opt = torch.optim.SGD(m.parameters(), lr=1.0)
+    m(x).sum().backward()
+    opt.step()
+    y2 = m(x)
+    assert m._weight_cache is not cached and not torch.equal(y1, y2)
+
+
+def test_activation_checkpointing_gives_identical_grads():
+    _, m, x, g = _setup("hybrid")
+    ref = _run(m, x, g)
+    m.weight.grad = m.bias.grad = None
+    xr = x.clone().requires_grad_()
+    checkpoint(m, xr, use_reentrant=False).backward(g)
+    assert torch.equal(xr.grad, ref[1]) and torch.equal(m.weight.grad, ref[2])
+
+
+def test_torch_compile_matches_eager():
+    _, m, x, g = _setup("hybrid")
+    ref = _run(m, x, g)
+    m.weight.grad = m.bias.grad = None
+    compiled = torch.compile(m, backend="aot_eager")
+    got = _run(compiled, x, g)
+    for a, b in zip(got, ref):
+        assert torch.equal(a, b)
+
+
+def test_bad_inputs():
+    _, m, x, _ = _setup("hybrid")
+    with pytest.raises(ValueError, match="floating-point"):
+        m(torch.ones(2, 384, dtype=torch.int64))
+    with pytest.raises(ValueError, match="in_features=384"):
+        m(torch.randn(2, 100))
+    with pytest.raises(ValueError, match="unknown FP8 recipe"):
+        FP8Linear(16, 16, recipe="fp4")

@@ -1,0 +1,129 @@
+"""Quantization against an independent per-block loop and the formats' rounding bounds."""
+
+import math
+
+import pytest
+import torch
+
+from fp8train import Fp8Format, dequantize, quantize
+
+FORMATS = {"e4m3": (448.0, 3, -6), "e5m2": (57344.0, 2, -14)}  # max, mantissa bits, min normal exponent
+
+
+def _wide(shape, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g) * torch.logspace(-4, 4, shape[-1])
+    return x.to(dtype)
+
+
+def _loop_reference(x2d, block, fmax, pow2):
+    """Independent reference: one Python iteration per block."""
+    R, C = x2d.shape
+    br, bc = block
+    out = torch.empty(R, C)
+    scales = torch.empty(math.ceil(R / br), math.ceil(C / bc))
+    for i in range(scales.shape[0]):
+        for j in range(scales.shape[1]):
+            blk = x2d[i * br:(i + 1) * br, j * bc:(j + 1) * bc].double()
+            amax = blk.abs().max().item()
+            s = amax / fmax if amax > 0 else 1.0
+            if pow2:
+                s = 2.0 ** math.ceil(math.log2(s))
+            s = float(torch.tensor(s, dtype=torch.float32))
+            scales[i, j] = s
+            out[i * br:(i + 1) * br, j * bc:(j + 1) * bc] = blk.float() / s
+    return out, scales
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("block", [(1, 128), (128, 1), (128, 128), (1, -1), None])
+@pytest.mark.parametrize("shape", [(300, 200), (128, 256), (7, 1000)])
+def test_bounds_and_rounding(fmt, block, shape):
+    fmax, mbits, emin = FORMATS[fmt]
+    x = _wide(shape)
+    q = quantize(x, block, fmt)
+    assert q.data.dtype == Fp8Format.parse(fmt).dtype and q.data.shape == x.shape
+    assert q.data.float().abs().max() <= fmax
+    scale = q.scale if block is None else q.scale.repeat_interleave(
+        1 if block[0] == -1 else block[0], 0).repeat_interleave(x.shape[1] if block[1] == -1 else block[1], 1)[
+        : shape[0], : shape[1]]
+    err = (dequantize(q) - x).abs()
+    # round-to-nearest: half an ulp of |x| in the normal range, half the subnormal step below it
+    bound = torch.maximum(x.abs() * 2.0 ** -(mbits + 1), scale * 2.0 ** (emin - mbits - 1))
+    assert (err <= bound * (1 + 1e-6)).all()
+    assert err.max() > 0  # something was actually rounded
+
+
+@pytest.mark.parametrize("block", [(1, 128), (128, 128), (128, 1), (3, 5)])
+@pytest.mark.parametrize("pow2", [True, False])
+def test_matches_loop_reference_on_ragged_shapes(block, pow2):
+    x = _wide((261, 389), seed=1)
+    q = quantize(x, block, "e4m3", pow2)
+    scaled, scales = _loop_reference(x, block, 448.0, pow2)
+    assert q.scale.shape == (math.ceil(261 / block[0]), math.ceil(389 / block[1]))
+    assert torch.equal(q.scale, scales)
+    assert torch.equal(q.data.float(), scaled.clamp(-448, 448).to(torch.float8_e4m3fn).float())
+
+
+def test_pow2_scales_are_exact_powers_of_two_and_exact_scales_hit_fmax():
+    x = _wide((256, 512), seed=2)
+    s = quantize(x, (1, 128), pow2_scale=True).scale
+    mant, _ = torch.frexp(s)
+    assert torch.all(mant == 0.5)
+    q = quantize(x, (1, 128), pow2_scale=False)
+    # with exact FP32 scales, each tile's amax lands on the top of the range
+    assert torch.all(q.data.float().abs().view(256, 4, 128).amax(-1) == 448)
+    assert torch.equal(q.scale, x.abs().view(256, 4, 128).amax(-1) / 448)
+
+
+def test_zeros_and_zero_blocks():
+    q = quantize(torch.zeros(4, 300))
+    assert torch.all(q.scale == 1) and not q.data.float().any()
+    x = _wide((4, 256))
+    x[1] = 0
+    x[2, :128] = 0
+    q = quantize(x)
+    assert q.scale[1].eq(1).all() and q.scale[2, 0] == 1 and q.scale[2, 1] != 1
+    assert torch.equal(dequantize(q)[1], torch.zeros(256))
+
+
+def test_shapes_1d_3d_and_dtypes():
+    x = _wide((2, 3, 260))
+    q = quantize(x, (1, 128))
+    assert q.data.shape == x.shape and q.scale.shape == (6, 3)
+    assert torch.equal(q.data.view(torch.uint8), quantize(x.reshape(6, 260)).data.view(torch.uint8).view(2, 3, 260))
+    v = quantize(x[0, 0], (1, 128))
+    assert v.data.shape == (260,) and v.scale.shape == (1, 3)
+    for dt in (torch.bfloat16, torch.float16, torch.float32):
+        xd = x.to(dt)
+        assert torch.equal(quantize(xd).data.view(torch.uint8), quantize(xd.float()).data.view(torch.uint8))
+    assert dequantize(quantize(x.bfloat16())).dtype == torch.float32
+
+
+def test_token_dim_tiles_are_tiles_of_the_transpose():
+    x = _wide((300, 200), seed=3)
+    a, b = quantize(x, (128, 1)), quantize(x.t(), (1, 128))
+    assert torch.equal(a.data.t().view(torch.uint8), b.data.view(torch.uint8))
+    assert torch.equal(a.scale.t(), b.scale)
+
+
+def test_nonfinite_blocks_become_nan_and_stay_contained():
+    x = _wide((4, 256))
+    x[0, 3] = float("nan")
+    x[2, 200] = float("inf")
+    d = dequantize(quantize(x))
+    assert torch.isnan(d[0, :128]).all() and torch.isnan(d[2, 128:]).all()
+    finite = torch.ones_like(d, dtype=torch.bool)
+    finite[0, :128] = finite[2, 128:] = False
+    assert torch.isfinite(d[finite]).all()
+
+
+def test_bad_input_errors():
+    with pytest.raises(ValueError, match="floating-point"):
+        quantize(torch.arange(10))
+    with pytest.raises(ValueError, match="unknown FP8 format"):
+        quantize(torch.randn(4, 4), fmt="e3m4")
+    with pytest.raises(ValueError, match="block"):
+        quantize(torch.randn(4, 4), block=(0, 128))
+    with pytest.raises(ValueError, match="scalar"):
+        quantize(torch.tensor(1.0))

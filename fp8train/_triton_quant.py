@@ -21,8 +21,7 @@ import triton.language as tl
 
 _TILE = 128
 _FP32_TINY = tl.constexpr(1.1754943508222875e-38)
-_INF = tl.constexpr(float("inf"))
-_NAN = tl.constexpr(float("nan"))
+_FP32_MAX = tl.constexpr(3.4028234663852886e38)
 
 
 @triton.jit
@@ -34,8 +33,9 @@ def _scale_from_amax(amax, has_nan, FMT_MAX: tl.constexpr, POW2: tl.constexpr):
         bits = s.to(tl.int32, bitcast=True)
         exp = bits & 0x7F800000
         up = exp + tl.where((bits & 0x007FFFFF) != 0, 1 << 23, 0)
-        s = tl.where(s < _INF, up.to(tl.float32, bitcast=True), s)
-    return tl.where(has_nan, _NAN, s)
+        s = tl.where(s <= _FP32_MAX, up.to(tl.float32, bitcast=True), s)  # finite only
+    zero = s - s
+    return tl.where(has_nan, zero / zero, s)  # NaN built in-kernel: a NaN global never equals itself
 
 
 @triton.jit

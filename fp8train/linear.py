@@ -56,25 +56,37 @@ def _is_tile(cfg: OperandConfig) -> bool:
 
 
 def _quantize(x2d: torch.Tensor, cfg: OperandConfig, pow2: bool, pad: int) -> Fp8Tensor:
-    """Reference quantization of a 2-D operand; pads the contraction (last) dim to `pad` for cuBLAS."""
+    """Reference quantization of a 2-D operand; pads the contraction (last) dim to `pad` for cuBLAS
+    with zero data (scale 1 for added 128-tiles; whole-row and per-tensor scales are unchanged)."""
+    C = x2d.shape[1]
     block = _resolve_block(cfg.block, tuple(x2d.shape))
     data, scale = _quantize_2d(x2d, block, cfg.fmt, pow2)
-    extra = -x2d.shape[1] % pad
-    if extra and block is not None:
+    extra = -C % pad
+    if extra:
         data = F.pad(data.view(torch.uint8), (0, extra)).view(data.dtype)  # pad() has no fp8 kernel
-        scale = F.pad(scale, (0, -(-(x2d.shape[1] + extra) // block[1]) - scale.shape[1]), value=1.0)
+        if cfg.block is not None and cfg.block[1] == -1:  # a whole-row block spans the padding too
+            block = (block[0], C + extra)
+        elif block is not None:
+            scale = F.pad(scale, (0, -(-(C + extra) // block[1]) - scale.shape[1]), value=1.0)
     return Fp8Tensor(data, scale, block, cfg.fmt)
+
+
+def _pad_for(cublas: bool, *cfgs: OperandConfig) -> int:
+    """Contraction padding on the cuBLAS path: 512 for blockwise scaling, 16 (FP8 alignment) otherwise."""
+    if not cublas:
+        return 1
+    return _CONTRACTION_PAD if all(c.block is not None and c.block[1] == 128 for c in cfgs) else 16
 
 
 def _quantize_activation(x2d, rows_cfg: OperandConfig, cols_cfg: OperandConfig, pow2: bool, cublas: bool):
     """FP8 copies of an activation x [M, K]: rows (blocks of x) and cols (blocks of x.T)."""
     blockwise = _is_tile(rows_cfg) and _is_tile(cols_cfg)
-    pad = _CONTRACTION_PAD if cublas and blockwise else 1
+    pad = _pad_for(cublas, rows_cfg, cols_cfg)
     if cublas and blockwise and _triton_quant is not None:
         qr, sr, qc, sc = _triton_quant.quantize_tiles_and_transpose(x2d, rows_cfg.fmt, cols_cfg.fmt, pow2, pad)
         return Fp8Tensor(qr, sr, (1, 128), rows_cfg.fmt), Fp8Tensor(qc, sc, (1, 128), cols_cfg.fmt)
     rows = _quantize(x2d, rows_cfg, pow2, pad)
-    if rows_cfg == cols_cfg and rows_cfg.block is None:  # per-tensor: the transpose is the same quantization
+    if rows_cfg == cols_cfg and rows_cfg.block is None and pad == 1:  # per-tensor: transpose-exact
         return rows, Fp8Tensor(rows.data.t().contiguous(), rows.scale, None, rows.fmt)
     return rows, _quantize(x2d.t(), cols_cfg, pow2, pad)
 
@@ -83,17 +95,14 @@ def _quantize_weight(w: torch.Tensor, recipe: Fp8Recipe, cublas: bool):
     """FP8 copies of the weight: W [N, K] for `output` and W.T [K, N] for `grad_input`."""
     cfg, cfg_t = recipe.output.b, recipe.grad_input.b
     square = cfg.block == (128, 128) and cfg_t == cfg
-    pad = _CONTRACTION_PAD if cublas and square else 1
+    pad = _pad_for(cublas, cfg, cfg_t)
     if cublas and square and _triton_quant is not None:
         q, qt, s = _triton_quant.quantize_blocks_and_transpose(w, cfg.fmt, recipe.pow2_scale, pad)
         kb = -(-w.shape[1] // 128)
         st = F.pad(s.t()[:kb], (0, qt.shape[1] // 128 - s.shape[0]), value=1.0)
         return Fp8Tensor(q, s, (128, 128), cfg.fmt), Fp8Tensor(qt, st.contiguous(), (128, 128), cfg.fmt)
-    wq = _quantize(w, cfg, recipe.pow2_scale, pad)
-    if square or (cfg.block is None and cfg_t == cfg):  # 128x128 blocks and per-tensor are transpose-exact
-        return wq, _quantize(w.t(), cfg_t, recipe.pow2_scale, pad) if pad > 1 else Fp8Tensor(
-            wq.data.t().contiguous(), wq.scale.t().contiguous() if wq.scale.dim() else wq.scale, wq.block, wq.fmt)
-    return wq, _quantize(w.t(), cfg_t, recipe.pow2_scale, pad)
+    # 128x128 blocks and per-tensor scales are transpose-exact: quantizing w.t() gives the same numbers
+    return _quantize(w, cfg, recipe.pow2_scale, pad), _quantize(w.t(), cfg_t, recipe.pow2_scale, pad)
 
 
 def _dequantize_2d(q: Fp8Tensor) -> torch.Tensor:
@@ -107,14 +116,14 @@ def _outer_major(scale: torch.Tensor) -> torch.Tensor:
 
 def _fp8_mm(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype, cublas: bool) -> torch.Tensor:
     """a @ b.T with a [Ra, C] and b [Rb, C] in FP8, FP32 accumulation, output in out_dtype."""
-    if not cublas:
+    if not cublas or a.data.shape[0] % 16 or b.data.shape[0] % 16:  # cuBLAS FP8 needs 16-aligned dims
         return (_dequantize_2d(a) @ _dequantize_2d(b).t()).to(out_dtype)
     ST = F.ScalingType
     # mat_a [Ra, C] row-major; mat_b = b.data.t(): [C, Rb] column-major (strides (1, C)).
     if a.block is None and b.block is None:
         return F.scaled_mm(a.data, b.data.t(), a.scale.reshape(1), ST.TensorWise, b.scale.reshape(1),
                            ST.TensorWise, output_dtype=out_dtype)
-    if a.block[0] == 1 and a.block[1] >= a.data.shape[1] and b.block[0] == 1:  # row-wise (CUTLASS: bf16 out)
+    if a.block != (1, 128):  # row-wise: one scale per row of each operand (CUTLASS kernel: BF16 output)
         out = F.scaled_mm(a.data, b.data.t(), a.scale.reshape(-1, 1), ST.RowWise, b.scale.reshape(1, -1),
                           ST.RowWise, output_dtype=torch.bfloat16)
         return out.to(out_dtype)

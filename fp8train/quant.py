@@ -100,7 +100,7 @@ def _quantize_2d(x: torch.Tensor, block, fmt: Fp8Format, pow2_scale: bool) -> tu
     xf = x.float()
     if block is None:
         scale = compute_scale(xf.abs().amax(), fmt, pow2_scale)
-        return (xf / scale).clamp(-fmt.max, fmt.max).to(fmt.dtype), scale
+        return (xf / scale).clamp(-fmt.max, fmt.max).to(fmt.dtype).contiguous(), scale
     R, C = xf.shape
     br, bc = block
     nr, nc = -(-R // br), -(-C // bc)
@@ -112,7 +112,7 @@ def _quantize_2d(x: torch.Tensor, block, fmt: Fp8Format, pow2_scale: bool) -> tu
     scale = compute_scale(amax, fmt, pow2_scale)
     q = (blocks / scale[:, None, :, None]).clamp(-fmt.max, fmt.max).to(fmt.dtype)
     q = q.view(nr * br, nc * bc)
-    return (q if q.shape == (R, C) else q[:R, :C].contiguous()), scale
+    return (q if q.shape == (R, C) else q[:R, :C]).contiguous(), scale  # row-major whatever x's layout
 
 
 def expand_scale(scale: torch.Tensor, block, shape: tuple[int, int]) -> torch.Tensor:

@@ -1,0 +1,213 @@
+"""AdamW with Megatron-style weight-decay groups, the paper's learning-rate schedules, gradient clipping.
+
+Schedules are defined on the 1-based iteration ``i = step + 1`` that Megatron counts, where ``step``
+is the 0-based index of the optimizer step about to run (what `LambdaLR` passes). So with ``W``
+warmup steps the first step already trains at ``peak / W`` (no step is wasted at lr 0), step ``W - 1``
+is the first at peak, and the last step (``i = total_steps``) lands exactly on ``min_lr``. For the
+paper's CPT (40,000 steps, 5,000 warmup, cosine over the last 5,000) the checkpoint after iteration
+35,000 is still at peak and the decay phase restarts from it, as in the paper.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+
+__all__ = ["OptimConfig", "build_optimizer", "build_scheduler", "clip_grad_norm", "lr_lambda"]
+
+Schedule = Literal["wsd", "cosine", "constant"]
+_SCHEDULES = ("wsd", "cosine", "constant")
+
+
+@dataclass
+class OptimConfig:
+    """AdamW and learning-rate schedule settings (the `optim` section of a training config)."""
+
+    lr: float = 1e-4
+    """Peak learning rate (reached at the end of warmup)."""
+    min_lr: float = 1e-5
+    """Final learning rate of the `wsd` and `cosine` decays; unused by `constant`."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW (beta1, beta2); the paper uses (0.9, 0.95) for CPT and SFT."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay of matrices and embeddings; biases, norms and 1-D params get none."""
+    grad_clip: float = 1.0
+    """Clip the global gradient L2 norm to this; 0 disables clipping (the norm is still measured)."""
+    schedule: Schedule = "wsd"
+    """`wsd` (warmup, stable, cosine decay; CPT), `cosine` (warmup then cosine; SFT) or `constant`."""
+    warmup_steps: int = 0
+    """Linear warmup length in optimizer steps; 0 means use `warmup_ratio`."""
+    warmup_ratio: float = 0.0
+    """Warmup as a fraction of the total steps (rounded up), used when `warmup_steps` is 0."""
+    decay_steps: int = 0
+    """`wsd` only: length of the final cosine decay in steps; 0 means use `decay_ratio`."""
+    decay_ratio: float = 0.1
+    """`wsd` only: decay length as a fraction of the total steps (rounded up), when `decay_steps` is 0."""
+    fused: bool | None = None
+    """Fused AdamW kernel; None picks fused when all parameters are on CUDA, foreach otherwise."""
+
+    def __post_init__(self) -> None:
+        self.lr = _number("lr", self.lr, gt=0.0)
+        self.min_lr = _number("min_lr", self.min_lr, ge=0.0)
+        if self.min_lr > self.lr:
+            raise ValueError(f"optim.min_lr ({self.min_lr}) must be <= optim.lr ({self.lr})")
+        if not isinstance(self.betas, (tuple, list)) or len(self.betas) != 2:
+            raise ValueError(f"optim.betas must be a pair [beta1, beta2], got {self.betas!r}")
+        self.betas = tuple(_number(f"betas[{i}]", b, ge=0.0, lt=1.0) for i, b in enumerate(self.betas))
+        self.eps = _number("eps", self.eps, gt=0.0)
+        self.weight_decay = _number("weight_decay", self.weight_decay, ge=0.0)
+        self.grad_clip = _number("grad_clip", self.grad_clip, ge=0.0)
+        if self.schedule not in _SCHEDULES:
+            raise ValueError(f"optim.schedule must be one of {list(_SCHEDULES)}, got {self.schedule!r}")
+        self.warmup_steps = _integer("warmup_steps", self.warmup_steps)
+        self.warmup_ratio = _number("warmup_ratio", self.warmup_ratio, ge=0.0, lt=1.0)
+        self.decay_steps = _integer("decay_steps", self.decay_steps)
+        self.decay_ratio = _number("decay_ratio", self.decay_ratio, ge=0.0, le=1.0)
+        if self.fused is not None and not isinstance(self.fused, bool):
+            raise ValueError(f"optim.fused must be true, false or null, got {self.fused!r}")
+
+
+def _number(name: str, value: object, *, gt=None, ge=None, lt=None, le=None) -> float:
+    # bool is an int subclass, and YAML 1.1 reads `1e-4` (no dot) as a string: both are user errors.
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"optim.{name} must be a number, got {value!r} ({type(value).__name__})")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"optim.{name} must be finite, got {value}")
+    for bad, op, bound in ((gt is not None and value <= gt, ">", gt), (ge is not None and value < ge, ">=", ge),
+                           (lt is not None and value >= lt, "<", lt), (le is not None and value > le, "<=", le)):
+        if bad:
+            raise ValueError(f"optim.{name} must be {op} {bound}, got {value}")
+    return value
+
+
+def _integer(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"optim.{name} must be an integer, got {value!r} ({type(value).__name__})")
+    if value < 0:
+        raise ValueError(f"optim.{name} must be >= 0, got {value}")
+    return value
+
+
+def _steps_from_ratio(ratio: float, total_steps: int) -> int:
+    # Round before ceil so that e.g. 0.05 * 20 = 1.0000000000000002 does not become 2.
+    return math.ceil(round(ratio * total_steps, 9))
+
+
+def _warmup_steps(cfg: OptimConfig, total_steps: int) -> int:
+    return cfg.warmup_steps or _steps_from_ratio(cfg.warmup_ratio, total_steps)
+
+
+def lr_lambda(cfg: OptimConfig, total_steps: int) -> Callable[[int], float]:
+    """The schedule as a multiplier of `cfg.lr`, a function of the 0-based optimizer step.
+
+    Steps past `total_steps` stay at the final value.
+    """
+    if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1:
+        raise ValueError(f"total_steps must be a positive integer, got {total_steps!r}")
+    warmup = _warmup_steps(cfg, total_steps)
+    source = "optim.warmup_steps" if cfg.warmup_steps else "optim.warmup_ratio"
+    if warmup > total_steps:
+        raise ValueError(f"{source} gives {warmup} warmup steps, more than the {total_steps} total steps")
+    min_ratio = cfg.min_lr / cfg.lr
+
+    def cosine(progress: float) -> float:
+        # progress 0 -> 1.0 (peak), 0.5 -> exactly (1 + min_ratio) / 2, 1 -> exactly min_ratio
+        progress = min(progress, 1.0)
+        return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    if cfg.schedule == "wsd":
+        decay = cfg.decay_steps or _steps_from_ratio(cfg.decay_ratio, total_steps)
+        if warmup + decay > total_steps:
+            what = "optim.decay_steps" if cfg.decay_steps else "optim.decay_ratio"
+            raise ValueError(f"{source} ({warmup} steps) plus {what} ({decay} steps) exceed the {total_steps} "
+                             "total steps")
+        decay_start = total_steps - decay  # last iteration at peak
+
+        def wsd(step: int) -> float:
+            i = step + 1
+            if i <= warmup:
+                return i / warmup
+            if i <= decay_start:
+                return 1.0
+            return cosine((i - decay_start) / decay)
+
+        return wsd
+
+    if cfg.schedule == "cosine":
+        decay = total_steps - warmup
+
+        def warmup_cosine(step: int) -> float:
+            i = step + 1
+            if i <= warmup:
+                return i / warmup
+            return cosine((i - warmup) / decay) if decay else min_ratio
+
+        return warmup_cosine
+
+    def constant(step: int) -> float:
+        i = step + 1
+        return i / warmup if i <= warmup else 1.0
+
+    return constant
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig,
+                    total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """`LambdaLR` over `lr_lambda`; call `scheduler.step()` once after each `optimizer.step()`."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, total_steps))
+
+
+def _param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    # Megatron's rule: biases and 1-D parameters (norm weights) get no weight decay. named_parameters()
+    # visits registration order and yields a tied parameter once, so the groups are deterministic.
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        if param.dtype != torch.float32:
+            raise ValueError(f"parameter {name!r} is {param.dtype}; fp8train keeps FP32 master weights "
+                             "(load the model in float32 and compute in BF16 under autocast)")
+        (no_decay if param.ndim < 2 or name.endswith(".bias") else decay).append(param)
+    if not decay and not no_decay:
+        raise ValueError("the model has no trainable parameters")
+    return [
+        {"params": decay, "weight_decay": weight_decay, "name": "decay"},
+        {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"},
+    ]
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
+    """AdamW over the FP32 parameters of `model`: group 0 decays, group 1 (biases, norms) does not."""
+    groups = _param_groups(model, cfg.weight_decay)
+    fused = cfg.fused
+    if fused is None:
+        fused = all(p.is_cuda for g in groups for p in g["params"])
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                             fused=fused or None, foreach=None if fused else True)
+
+
+def clip_grad_norm(model_or_params: nn.Module | Iterable[torch.Tensor], max_norm: float | None) -> float:
+    """Clip gradients to a global L2 norm of `max_norm` and return the norm before clipping.
+
+    `max_norm` None or 0 only measures. A non-finite norm is returned as is with the gradients left
+    untouched (torch would turn them all into NaN), so the caller can count and skip the step.
+    Works for FSDP2 DTensor parameters: the norm is reduced across ranks before clipping.
+    """
+    params = (list(model_or_params.parameters()) if isinstance(model_or_params, nn.Module)
+              else list(model_or_params))
+    grads = [p.grad for p in params if p.grad is not None]
+    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0, error_if_nonfinite=False)
+    if hasattr(total, "full_tensor"):  # DTensor with Partial placement: all-reduce once, as torchtitan does
+        total = total.full_tensor()
+    norm = float(total.item())
+    if max_norm and math.isfinite(norm):
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return norm

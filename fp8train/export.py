@@ -1,0 +1,231 @@
+"""Serving exports of a trained model: plain BF16 (`hf`) and FP8 128x128-block (`fp8-block`).
+
+`fp8-block` is the DeepSeek-V3 style checkpoint that transformers (`FineGrainedFP8Config`), vLLM and
+SGLang load: every converted Linear stores `<module>.weight` in float8_e4m3fn plus an FP32
+`<module>.weight_scale_inv` of shape [ceil(out/128), ceil(in/128)], the *dequantize* multiplier
+(w ~ weight * weight_scale_inv, block by block), and config.json carries
+
+    "quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic",
+                            "weight_block_size": [128, 128], "modules_to_not_convert": [...], ...}
+
+Only the decoder's projection Linears are converted (q/k/v/o_proj, gate/up/down_proj, found by name
+and 2-D shape); embeddings, the LM head, norms and biases stay BF16. A projection whose shape is not a
+multiple of 128 stays BF16 together with the projections a server fuses with it (q/k/v, gate/up):
+transformers' dequantizing loader assumes whole blocks, and vLLM needs every fused part block-aligned.
+Everything that stays BF16 and is a Linear is listed in `modules_to_not_convert` (and `ignored_layers`,
+vLLM's name for it); `lm_head` is always listed because transformers converts every unlisted Linear.
+
+The export is written to a temporary sibling directory and renamed into place at the end, so a crash
+never leaves a directory at the output path that looks loadable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from .quant import quantize
+
+__all__ = ["EXPORT_FORMATS", "FP8_BLOCK", "export_checkpoint", "add_cli"]
+
+EXPORT_FORMATS = ("hf", "fp8-block")
+FP8_BLOCK = (128, 128)
+_PROJ_GROUPS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
+_PROJ_NAMES = {name: group for group in _PROJ_GROUPS for name in group}
+_TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",
+    "generation_config.json",
+)
+
+
+def _resolve_model_dir(src: Path) -> Path:
+    """A Hugging Face model directory, or the `model/` directory inside a training checkpoint."""
+    for cand in (src, src / "model"):
+        if (cand / "config.json").is_file():
+            return cand
+    raise FileNotFoundError(
+        f"export: {src} is neither a Hugging Face model directory (config.json + *.safetensors) "
+        f"nor a training checkpoint with one under model/"
+    )
+
+
+def _weight_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [model_dir / n for n in names]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise FileNotFoundError(f"export: {index} names shards that do not exist: {missing}")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"export: no *.safetensors weights in {model_dir}")
+    return files
+
+
+def _read_tensors(model_dir: Path):
+    """Yield (name, tensor) for every tensor of the checkpoint, one at a time (low peak memory)."""
+    seen: set[str] = set()
+    for path in _weight_files(model_dir):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if name in seen:
+                    raise ValueError(f"export: tensor {name!r} appears in more than one shard ({path})")
+                seen.add(name)
+                yield name, f.get_tensor(name)
+
+
+def _proj_module(name: str, t: torch.Tensor) -> str | None:
+    """The module name if `name` is a decoder projection's 2-D floating-point weight, else None."""
+    if not name.endswith(".weight") or t.dim() != 2 or not t.is_floating_point():
+        return None
+    module = name[: -len(".weight")]
+    return module if module.rsplit(".", 1)[-1] in _PROJ_NAMES else None
+
+
+def _fp8_modules(shapes: dict[str, tuple[int, int]]) -> set[str]:
+    """Projections to convert: block-aligned ones whose fused group (same parent) is all block-aligned."""
+    aligned = {m: s[0] % FP8_BLOCK[0] == 0 and s[1] % FP8_BLOCK[1] == 0 for m, s in shapes.items()}
+    keep = set()
+    for module, ok in aligned.items():
+        parent, leaf = module.rsplit(".", 1) if "." in module else ("", module)
+        siblings = [f"{parent}.{n}" if parent else n for n in _PROJ_NAMES[leaf]]
+        if ok and all(aligned.get(s, True) for s in siblings):
+            keep.add(module)
+    return keep
+
+
+def _convert(model_dir: Path, fmt: str, pow2_scale: bool) -> tuple[dict[str, torch.Tensor], dict]:
+    """The output state dict and a summary (converted / kept-BF16 Linear modules)."""
+    if fmt == "hf":
+        sd = {n: (t.to(torch.bfloat16) if t.is_floating_point() else t) for n, t in _read_tensors(model_dir)}
+        return sd, {}
+    # Shapes first (metadata only), so the fused-group decision never needs two passes over data.
+    shapes = {}
+    for path in _weight_files(model_dir):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                shape = f.get_slice(name).get_shape()
+                if name.endswith(".weight") and len(shape) == 2 and name[:-7].rsplit(".", 1)[-1] in _PROJ_NAMES:
+                    shapes[name[: -len(".weight")]] = tuple(shape)
+    to_fp8 = _fp8_modules(shapes)
+    sd: dict[str, torch.Tensor] = {}
+    for name, t in _read_tensors(model_dir):
+        module = _proj_module(name, t)
+        if module in to_fp8:
+            q = quantize(t, block=FP8_BLOCK, fmt="e4m3", pow2_scale=pow2_scale)
+            if not torch.isfinite(q.scale).all():
+                raise ValueError(f"export: {name} holds NaN or Inf; refusing to export a broken checkpoint")
+            sd[name] = q.data
+            sd[f"{module}.weight_scale_inv"] = q.scale.float().contiguous()
+        else:
+            sd[name] = t.to(torch.bfloat16) if t.is_floating_point() else t
+    kept = sorted(set(shapes) - to_fp8)
+    return sd, {"converted": sorted(to_fp8), "kept_bf16": kept}
+
+
+def _write_config(model_dir: Path, out: Path, fmt: str, summary: dict, pow2_scale: bool) -> None:
+    cfg = json.loads((model_dir / "config.json").read_text())
+    cfg["dtype"] = "bfloat16"
+    if "torch_dtype" in cfg:  # older transformers / vLLM read this name
+        cfg["torch_dtype"] = "bfloat16"
+    if fmt == "fp8-block":
+        skip = ["lm_head", *summary["kept_bf16"]]
+        cfg["quantization_config"] = {
+            "quant_method": "fp8",
+            "activation_scheme": "dynamic",
+            "weight_block_size": list(FP8_BLOCK),
+            "fmt": "e4m3",
+            "modules_to_not_convert": skip,
+            "ignored_layers": skip,
+            # Informational (loaders ignore it): what fp8train converted and how.
+            "fp8train": {
+                "converted_projections": sorted({m.rsplit(".", 1)[-1] for m in summary["converted"]}),
+                "num_converted": len(summary["converted"]),
+                "pow2_scale": pow2_scale,
+            },
+        }
+    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+
+
+def export_checkpoint(
+    src: str | Path,
+    out_dir: str | Path,
+    format: str = "hf",
+    pow2_scale: bool = False,
+    max_shard_size: str = "5GB",
+) -> Path:
+    """Export the model in `src` (HF model dir or training checkpoint dir) to `out_dir`; returns out_dir.
+
+    format: "hf" (BF16 safetensors) or "fp8-block" (E4M3 projections with 128x128 FP32 scale_inv).
+    pow2_scale: round each block's scale up to a power of two (exact rescaling, slightly coarser).
+    max_shard_size: shards larger than this are split, with a model.safetensors.index.json.
+    """
+    from huggingface_hub import save_torch_state_dict
+
+    if format not in EXPORT_FORMATS:
+        raise ValueError(f"export: unknown format {format!r}; expected one of {list(EXPORT_FORMATS)}")
+    src, out = Path(src), Path(out_dir)
+    model_dir = _resolve_model_dir(src)
+    if "quantization_config" in json.loads((model_dir / "config.json").read_text()):
+        raise ValueError(f"export: {model_dir} is already quantized (config.json has quantization_config); "
+                         f"export from the unquantized checkpoint")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise FileExistsError(f"export: output {out} already exists and is not empty; remove it or pick another -o")
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    sd, summary = _convert(model_dir, format, pow2_scale)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        save_torch_state_dict(sd, tmp, max_shard_size=max_shard_size)
+        del sd
+        _write_config(model_dir, tmp, format, summary, pow2_scale)
+        for name in _TOKENIZER_FILES:
+            if (model_dir / name).is_file():
+                shutil.copy2(model_dir / name, tmp / name)
+        if out.exists():
+            out.rmdir()  # empty (checked above); rename cannot replace a directory
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _run_cli(args: argparse.Namespace) -> int:
+    out = export_checkpoint(
+        args.checkpoint, args.output, format=args.format, pow2_scale=args.pow2_scale,
+        max_shard_size=args.max_shard_size,
+    )
+    print(f"exported {args.format} model to {out}")
+    return 0
+
+
+def add_cli(subparsers) -> argparse.ArgumentParser:
+    """Register `fp8train export CHECKPOINT --format hf|fp8-block -o DIR [--pow2-scale] [--max-shard-size]`."""
+    p = subparsers.add_parser(
+        "export",
+        help="export a trained model as BF16 or FP8-block safetensors for serving",
+        description="Export a Hugging Face model directory (or a training checkpoint with one under model/) "
+        "as BF16 safetensors (--format hf) or as a 128x128 block-scaled FP8 checkpoint (--format fp8-block) "
+        "that transformers, vLLM and SGLang load.",
+    )
+    p.add_argument("checkpoint", help="HF model directory or training checkpoint directory")
+    p.add_argument("--format", choices=EXPORT_FORMATS, default="hf", help="export format (default: hf)")
+    p.add_argument("-o", "--output", required=True, help="output directory (must not exist or be empty)")
+    p.add_argument(
+        "--pow2-scale", action=argparse.BooleanOptionalAction, default=False,
+        help="fp8-block: round block scales up to powers of two (default: exact FP32 scales)",
+    )
+    p.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard, e.g. 5GB or 500MB")
+    p.set_defaults(func=_run_cli)
+    return p

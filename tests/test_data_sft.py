@@ -1,0 +1,216 @@
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from fp8train.data import SftDataConfig, build_sft_datasets, load_tokenizer, read_sft_holdout
+
+IM_END = "<|im_end|>"
+GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "train.jsonl"
+
+CHATS = [
+    {"messages": [{"role": "system", "content": "You answer in one line."},
+                  {"role": "user", "content": "What is 2 + 2?"},
+                  {"role": "assistant", "content": "2 + 2 = 4."},
+                  {"role": "user", "content": "And 3 * 3?"},
+                  {"role": "assistant", "content": "3 * 3 = 9, naïvely."}]},
+    {"prompt": "Name a prime.", "response": "  7 is prime.\n"},
+    {"messages": [{"role": "user", "content": "Say <|im_start|> nothing"},
+                  {"role": "assistant", "content": ""}]},
+    {"prompt": "Write code.", "response": "def f(x):\n    return x * 2"},
+]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer()
+
+
+def _write(path: Path, records) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
+    return path
+
+
+def _segments(ds):
+    """Every packed sample as (input_ids, labels), split where position_ids restart, padding removed."""
+    out = []
+    for i in range(len(ds)):
+        row = ds[i]
+        starts = (row["position_ids"] == 0).nonzero().flatten().tolist() + [ds.seq_len]
+        for lo, hi in zip(starts[:-1], starts[1:]):
+            ids, labels = row["input_ids"][lo:hi], row["labels"][lo:hi]
+            if (labels == -100).all() and (ids == ds.pad_id).all():
+                continue  # padding
+            out.append((ids, labels))
+    return out
+
+
+def _labelled_runs(ids: torch.Tensor, labels: torch.Tensor) -> list[list[int]]:
+    assert torch.equal(labels[labels != -100], ids[labels != -100])  # a label is the token itself
+    runs, current = [], []
+    for t, lab in zip(ids.tolist(), labels.tolist()):
+        if lab != -100:
+            current.append(t)
+        elif current:
+            runs.append(current)
+            current = []
+    return runs + ([current] if current else [])
+
+
+def _as_chat(record, system=None):
+    chat = record.get("messages") or [{"role": "user", "content": record["prompt"]},
+                                      {"role": "assistant", "content": record["response"]}]
+    return ([{"role": "system", "content": system}] if system and chat[0]["role"] != "system" else []) + chat
+
+
+def test_labels_only_on_assistant_tokens(tok, tmp_path):
+    path = _write(tmp_path / "chats.jsonl", CHATS)
+    train, val, stats = build_sft_datasets(SftDataConfig(paths=[str(path)], seq_len=96), tok, seed=0)
+    assert val is None and stats.num_train == len(CHATS) and stats.num_truncated == stats.num_skipped == 0
+    segments = _segments(train)
+    assert len(segments) == len(CHATS)
+    by_tokens = {tuple(ids.tolist()): labels for ids, labels in segments}
+    for record in CHATS:
+        chat = _as_chat(record)
+        ids = tok.apply_chat_template(chat, tokenize=True, return_dict=True)["input_ids"]
+        labels = by_tokens[tuple(ids)]  # the sample's tokens are exactly the template's
+        runs = [tok.decode(run) for run in _labelled_runs(torch.tensor(ids), labels)]
+        assert runs == [m["content"] + IM_END for m in chat if m["role"] == "assistant"]
+    assert stats.num_train_label_tokens == sum(int((lab != -100).sum()) for _, lab in segments)
+
+
+def test_packing_by_token_budget(tok, tmp_path):
+    records = [{"prompt": f"Question {i}: " + "word " * (i % 7), "response": f"Answer {i}. " * (1 + i % 3)}
+               for i in range(40)]
+    path = _write(tmp_path / "many.jsonl", records)
+    seq_len = 128
+    train, _, stats = build_sft_datasets(SftDataConfig(paths=[str(path)], seq_len=seq_len), tok, seed=1)
+    lengths = [len(tok.apply_chat_template(_as_chat(r), tokenize=True, return_dict=True)["input_ids"])
+               for r in records]
+    segments = _segments(train)
+    assert sorted(len(ids) for ids, _ in segments) == sorted(lengths)  # every sample once, whole
+    assert train.num_tokens == stats.num_train_tokens == sum(lengths)
+    assert len(train) <= -(-sum(lengths) // seq_len) + 1  # best fit: at most one row more than the minimum
+    assert len(train) < len(records) / 3  # rows really hold several samples
+    for i in range(len(train)):
+        row = train[i]
+        assert all(v.shape == (seq_len,) and v.dtype == torch.int64 for v in row.values())
+        used = int((row["labels"] != -100).sum())
+        assert used > 0
+        pad = seq_len - sum(len(ids) for ids, _ in _segments_of_row(row, train.pad_id))
+        if pad:
+            assert (row["input_ids"][-pad:] == train.pad_id).all() and (row["labels"][-pad:] == -100).all()
+            assert row["position_ids"][-pad:].tolist() == list(range(pad))
+    again, _, _ = build_sft_datasets(SftDataConfig(paths=[str(path)], seq_len=seq_len), tok, seed=1)
+    assert all(torch.equal(again[i]["input_ids"], train[i]["input_ids"]) for i in range(len(train)))
+    other, _, _ = build_sft_datasets(SftDataConfig(paths=[str(path)], seq_len=seq_len), tok, seed=2)
+    assert not torch.equal(other[0]["input_ids"], train[0]["input_ids"])
+
+
+def _segments_of_row(row, pad_id):
+    starts = (row["position_ids"] == 0).nonzero().flatten().tolist() + [len(row["input_ids"])]
+    return [(row["input_ids"][lo:hi], row["labels"][lo:hi]) for lo, hi in zip(starts[:-1], starts[1:])
+            if not ((row["labels"][lo:hi] == -100).all() and (row["input_ids"][lo:hi] == pad_id).all())]
+
+
+def test_system_prompt_is_added_and_not_labelled(tok, tmp_path):
+    path = _write(tmp_path / "p.jsonl", CHATS[1:2])
+    cfg = SftDataConfig(paths=[str(path)], seq_len=64, system_prompt="Think step by step.")
+    train, _, _ = build_sft_datasets(cfg, tok, seed=0)
+    ((ids, labels),) = _segments(train)
+    assert tok.decode(ids).startswith("<|im_start|>system\nThink step by step.<|im_end|>\n<|im_start|>user")
+    assert [tok.decode(r) for r in _labelled_runs(ids, labels)] == ["  7 is prime.\n" + IM_END]
+
+
+@pytest.mark.parametrize("overlong", ["truncate", "skip"])
+def test_overlong_samples(tok, tmp_path, overlong):
+    short = {"prompt": "Hi", "response": "Hello."}
+    long = {"prompt": "Count.", "response": " ".join(str(i) for i in range(60))}
+    long_prompt = {"prompt": "x " * 80, "response": "ok"}  # nothing to learn left after truncation
+    path = _write(tmp_path / "o.jsonl", [short, long, short, long, long_prompt])
+    cfg = SftDataConfig(paths=[str(path)], seq_len=32, overlong=overlong)
+    train, _, stats = build_sft_datasets(cfg, tok, seed=0)
+    segments = _segments(train)
+    if overlong == "truncate":
+        assert (stats.num_truncated, stats.num_skipped, stats.num_train) == (2, 1, 4)
+        full = tok.apply_chat_template(_as_chat(long), tokenize=True, return_dict=True)["input_ids"]
+        cut = [ids.tolist() for ids, _ in segments if len(ids) == 32]
+        assert cut == [full[:32], full[:32]]
+    else:
+        assert (stats.num_truncated, stats.num_skipped, stats.num_train) == (0, 3, 2)
+        assert all(len(ids) < 32 for ids, _ in segments)
+    assert len(segments) == stats.num_train
+
+
+def test_splits_holdout_and_max_samples(tok, tmp_path):
+    records = [{"prompt": f"Q{i}?", "response": f"Answer number {i}."} for i in range(20)]
+    path = _write(tmp_path / "s.jsonl", records)
+    cfg = SftDataConfig(paths=[str(path)], seq_len=128, val_fraction=0.25, holdout_last=3, max_samples=16)
+    train, val, stats = build_sft_datasets(cfg, tok, seed=0)
+    assert (stats.num_samples, stats.num_holdout, stats.num_train, stats.num_val) == (16, 3, 12, 4)
+
+    def answers(ds):
+        return {tok.decode(r) for ids, labels in _segments(ds) for r in _labelled_runs(ids, labels)}
+
+    train_answers, val_answers = answers(train), answers(val)
+    assert len(train_answers) == 12 and len(val_answers) == 4 and not train_answers & val_answers
+    assert train_answers | val_answers == {f"Answer number {i}.{IM_END}" for i in range(16)}
+    held_out = [chat[-1]["content"] for chat in read_sft_holdout(cfg)]
+    assert held_out == [f"Answer number {i}." for i in (17, 18, 19)]
+
+
+def test_template_that_breaks_prefixes_is_refused(tok, tmp_path):
+    path = _write(tmp_path / "t.jsonl", CHATS[:1])
+    saved = tok.chat_template
+    # Like reasoning templates that rewrite earlier assistant turns: rendering a prefix is not a prefix.
+    tok.chat_template = (
+        "{%- for m in messages %}{{ m['role'] }}: "
+        "{{ m['content'] if loop.last or m['role'] != 'assistant' else '[...]' }}\n{%- endfor %}"
+    )
+    try:
+        with pytest.raises(ValueError, match=r"t\.jsonl:1: the chat template does not render a chat's prefix"):
+            build_sft_datasets(SftDataConfig(paths=[str(path)], seq_len=128), tok, seed=0)
+    finally:
+        tok.chat_template = saved
+
+
+def test_bad_inputs(tok, tmp_path):
+    def build(path, **kw):
+        return build_sft_datasets(SftDataConfig(paths=[str(path)], seq_len=64, **kw), tok, seed=0)
+
+    with pytest.raises(FileNotFoundError, match="nothere.jsonl"):
+        build(tmp_path / "nothere.jsonl")
+    with pytest.raises(ValueError, match=r"bad\.jsonl:3: malformed JSON"):
+        build(_write(tmp_path / "bad.jsonl", [CHATS[1], "", '{"prompt": "a", "response": }']))
+    with pytest.raises(ValueError, match=r"fields\.jsonl:2: neither a 'messages' field nor 'prompt' \+ 'resp"):
+        build(_write(tmp_path / "fields.jsonl", [CHATS[1], {"question": "q", "answer": "a"}]))
+    with pytest.raises(ValueError, match=r"role\.jsonl:1: message 1 has role 'robot'"):
+        build(_write(tmp_path / "role.jsonl", [{"messages": [{"role": "user", "content": "a"},
+                                                              {"role": "robot", "content": "b"}]}]))
+    with pytest.raises(ValueError, match=r"noasst\.jsonl:1: no assistant message"):
+        build(_write(tmp_path / "noasst.jsonl", [{"messages": [{"role": "user", "content": "a"}]}]))
+    (tmp_path / "empty.jsonl").write_text("\n \n")
+    with pytest.raises(ValueError, match="no samples"):
+        build(tmp_path / "empty.jsonl")
+    with pytest.raises(ValueError, match="every sample was dropped"):
+        build(_write(tmp_path / "long.jsonl", [{"prompt": "x " * 100, "response": "y"}]), overlong="skip")
+    with pytest.raises(ValueError, match="holdout_last=1 leaves none"):
+        build(_write(tmp_path / "one.jsonl", [CHATS[1]]), holdout_last=1)
+    with pytest.raises(ValueError, match="overlong"):
+        SftDataConfig(paths=["x"], overlong="cut")
+
+
+@pytest.mark.skipif(not GSM8K.is_file(), reason="GSM8K is not in ../shared/data")
+def test_gsm8k_smoke(tok):
+    cfg = SftDataConfig(paths=[str(GSM8K)], prompt_field="question", response_field="answer", seq_len=512,
+                        max_samples=200, val_fraction=0.1)
+    train, val, stats = build_sft_datasets(cfg, tok, seed=0)
+    assert (stats.num_train, stats.num_val) == (180, 20)
+    assert stats.packing_efficiency > 0.85
+    runs = [tok.decode(r) for ids, labels in _segments(train) for r in _labelled_runs(ids, labels)]
+    assert len(runs) == 180 and all("####" in r and r.endswith(IM_END) for r in runs)
+    batch = torch.stack([train[i]["labels"] for i in range(len(train))])
+    assert int((batch != -100).sum()) == stats.num_train_label_tokens
+    assert np.isclose(stats.num_train_tokens / (len(train) * 512), stats.packing_efficiency)

@@ -26,7 +26,7 @@ _FP32_MAX = tl.constexpr(3.4028234663852886e38)
 
 @triton.jit
 def _scale_from_amax(amax, has_nan, FMT_MAX: tl.constexpr, POW2: tl.constexpr):
-    s = amax / FMT_MAX
+    s = tl.div_rn(amax, FMT_MAX)
     s = tl.where(amax == 0.0, 1.0, s)
     s = tl.maximum(s, _FP32_TINY)
     if POW2:
@@ -45,6 +45,10 @@ def _quant(x, s, FMT_MAX: tl.constexpr, OUT_DTYPE: tl.constexpr):
     return tl.where(q != q, q, clipped).to(OUT_DTYPE)  # NaN stays NaN, as torch.clamp keeps it
 
 
+_WARPS = [triton.Config({}, num_warps=w) for w in (4, 8, 16)]
+
+
+@triton.autotune(configs=_WARPS, key=["M", "K"])
 @triton.jit
 def _act_kernel(
     x_ptr, M, K, stride_xm,
@@ -80,6 +84,7 @@ def _act_kernel(
     tl.store(sc_ptr + pid_m * K + offs_k, s_c, mask=in_k & (pid_m * BLOCK < Mp))
 
 
+@triton.autotune(configs=_WARPS, key=["N", "K"])
 @triton.jit
 def _weight_kernel(
     w_ptr, N, K, stride_wn,
@@ -124,7 +129,7 @@ def quantize_tiles_and_transpose(x2d, row_fmt, col_fmt, pow2: bool, pad: int):
     _act_kernel[grid](
         x2d, M, K, x2d.stride(0), qr, sr, Kp, qc, sc, Mp,
         ROW_MAX=row_fmt.max, ROW_DTYPE=_tl_dtype(row_fmt.dtype), COL_MAX=col_fmt.max, COL_DTYPE=_tl_dtype(col_fmt.dtype),
-        POW2=pow2, BLOCK=_TILE, num_warps=8,
+        POW2=pow2, BLOCK=_TILE,
     )
     return qr, sr.t(), qc, sc.t()
 
@@ -140,7 +145,7 @@ def quantize_blocks_and_transpose(w, fmt, pow2: bool, pad: int):
     s = torch.empty(-(-N // _TILE), KB, dtype=torch.float32, device=dev)
     _weight_kernel[(NB, max(KB, -(-K // _TILE)))](
         w, N, K, w.stride(0), q, Kp, qt, Np, s, KB,
-        FMT_MAX=fmt.max, DTYPE=_tl_dtype(fmt.dtype), POW2=pow2, BLOCK=_TILE, num_warps=8,
+        FMT_MAX=fmt.max, DTYPE=_tl_dtype(fmt.dtype), POW2=pow2, BLOCK=_TILE,
     )
     return q, qt, s
 

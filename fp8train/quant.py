@@ -62,7 +62,9 @@ def _resolve_block(block: Block, shape: tuple[int, int]) -> tuple[int, int] | No
 def compute_scale(amax: torch.Tensor, fmt: Fp8Format, pow2_scale: bool) -> torch.Tensor:
     """FP32 dequantize scale from a block amax: amax / fmt.max, 1 where amax == 0, optionally rounded
     up to the next power of two (bit-exact: keep the exponent, bump it when any mantissa bit is set)."""
-    s = amax.float() / fmt.max
+    # divide by a tensor, not a Python scalar: CUDA turns scalar division into a reciprocal multiply,
+    # which can differ from the CPU's IEEE division in the last bit
+    s = amax.float() / torch.full_like(amax, fmt.max, dtype=torch.float32)
     s = torch.where(amax == 0, torch.ones_like(s), s).clamp_min(_FP32_TINY)  # NaN passes through
     if pow2_scale:
         bits = s.view(torch.int32)

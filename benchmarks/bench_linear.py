@@ -82,11 +82,31 @@ def bench_shape(M: int, N: int, K: int) -> dict:
     return r
 
 
+def _profile(M: int, N: int, K: int) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+    fp8 = FP8Linear.from_linear(torch.nn.Linear(K, N, bias=False, device="cuda", dtype=torch.bfloat16), "hybrid")
+    for _ in range(3):
+        fp8(x).backward(g)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            fp8._weight_cache = None
+            fp8(x).backward(g)
+        torch.cuda.synchronize()
+    print(f"\nprofile: 10 x FP8Linear fwd+bwd, M={M} N={N} K={K}")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=22))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--out", default=None, help="write the raw numbers as JSON here")
     ap.add_argument("--shapes", nargs="*", default=list(SHAPES))
+    ap.add_argument("--profile", default=None, metavar="SHAPE",
+                    help="also print a torch.profiler table (CPU and CUDA) of FP8Linear fwd+bwd at this shape")
     args = ap.parse_args(argv)
     M = args.tokens
     results = {}
@@ -112,6 +132,8 @@ def main(argv=None) -> int:
             f"{r['quant_input'] * 1e3:.0f} / {r['quant_grad_output'] * 1e3:.0f} / {r['quant_weight'] * 1e3:.0f}",
         )
         print("| " + " | ".join(row) + " |", flush=True)
+    if args.profile:
+        _profile(M, *SHAPES[args.profile])
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "results": results}, f, indent=1)

@@ -204,6 +204,7 @@ class FP8Linear(nn.Linear):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.recipe = make_recipe(recipe)
         self._weight_cache = None
+        self._cache_weight = True  # FSDP turns this off: it refills the gathered weight in place
         self._input_cache: WeakIdKeyDictionary | None = None
         self._health: dict | None = None
 
@@ -216,7 +217,12 @@ class FP8Linear(nn.Linear):
         return new
 
     def _quantize_weight(self, weight: torch.Tensor, cublas: bool):
-        key = (weight.data_ptr(), weight._version, weight.dtype, cublas, self.recipe)
+        gathered = getattr(weight, "fp8_operands", None)
+        if gathered is not None:  # FSDP all-gathered it already in FP8 (fp8train._fsdp_fp8): use those blocks
+            return gathered(self.recipe, cublas)
+        if not self._cache_weight:  # FSDP refills its gather buffer in place, with no version bump
+            return _quantize_weight(weight.detach(), self.recipe, cublas)
+        key = (weight.data_ptr(), weight._version, weight.dtype, cublas, id(self.recipe))
         if self._weight_cache is None or self._weight_cache[0] != key:
             self._weight_cache = None  # free the stale copies before making new ones
             self._weight_cache = (key, *_quantize_weight(weight.detach(), self.recipe, cublas))
@@ -225,7 +231,7 @@ class FP8Linear(nn.Linear):
     def _quantize_input(self, x: torch.Tensor, x2d: torch.Tensor, cublas: bool):
         """Siblings reading the same tensor (q/k/v, gate/up) share one quantization via `_input_cache`."""
         r = self.recipe
-        key = (x._version, r.output.a, r.grad_weight.b, r.pow2_scale, cublas)
+        key = (x._version, r.output.a, r.grad_weight.b, r.pow2_scale, cublas)  # siblings may differ in recipe
         cache = self._input_cache
         hit = cache.get(x) if cache is not None else None
         if hit is not None and hit[0] == key:
@@ -242,12 +248,14 @@ class FP8Linear(nn.Linear):
             raise ValueError(f"FP8Linear: expected a floating-point input, got {x.dtype}")
         if x.dim() == 0 or x.shape[-1] != self.in_features:
             raise ValueError(f"FP8Linear: input's last dim must be in_features={self.in_features}, got shape {tuple(x.shape)}")
-        return _fp8_linear(x, self.weight, self.bias, self)
+        if torch.compiler.is_compiling():  # graph-break around the FP8 GEMMs (eager: skip the wrapper's cost)
+            return _fp8_linear_eager(x, self.weight, self.bias, self)
+        return _Fp8LinearFn.apply(x, self.weight, self.bias, self)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe.name.value}, pow2_scale={self.recipe.pow2_scale}"
 
 
 @torch.compiler.disable  # quantization caches and custom kernels run eagerly; the rest of the model compiles
-def _fp8_linear(x, weight, bias, module):
+def _fp8_linear_eager(x, weight, bias, module):
     return _Fp8LinearFn.apply(x, weight, bias, module)

@@ -45,10 +45,6 @@ def _quant(x, s, FMT_MAX: tl.constexpr, OUT_DTYPE: tl.constexpr):
     return tl.where(q != q, q, clipped).to(OUT_DTYPE)  # NaN stays NaN, as torch.clamp keeps it
 
 
-_WARPS = [triton.Config({}, num_warps=w) for w in (4, 8, 16)]
-
-
-@triton.autotune(configs=_WARPS, key=["M", "K"])
 @triton.jit
 def _act_kernel(
     x_ptr, M, K, stride_xm,
@@ -79,12 +75,12 @@ def _act_kernel(
     # cols copy: one scale per (feature, 128 tokens), stored transposed [K, Mp]
     s_c = _scale_from_amax(tl.max(ax, axis=0), tl.max(isnan, axis=0) > 0, COL_MAX, POW2)
     q_c = _quant(x, s_c[None, :], COL_MAX, COL_DTYPE)
-    tl.store(qc_ptr + offs_k[None, :] * Mp + offs_m[:, None], q_c,
-             mask=in_k[None, :] & (offs_m < Mp)[:, None])
+    # transpose in registers/shared memory first, so each thread stores bytes contiguous along tokens
+    tl.store(qc_ptr + offs_k[:, None] * Mp + offs_m[None, :], tl.trans(q_c),
+             mask=in_k[:, None] & (offs_m < Mp)[None, :])
     tl.store(sc_ptr + pid_m * K + offs_k, s_c, mask=in_k & (pid_m * BLOCK < Mp))
 
 
-@triton.autotune(configs=_WARPS, key=["N", "K"])
 @triton.jit
 def _weight_kernel(
     w_ptr, N, K, stride_wn,
@@ -106,7 +102,7 @@ def _weight_kernel(
     s = _scale_from_amax(amax, has_nan, FMT_MAX, POW2)
     q = _quant(w, s, FMT_MAX, DTYPE)
     tl.store(q_ptr + offs_n[:, None] * Kp + offs_k[None, :], q, mask=in_n[:, None] & (offs_k < Kp)[None, :])
-    tl.store(qt_ptr + offs_k[None, :] * Np + offs_n[:, None], q, mask=in_k[None, :] & (offs_n < Np)[:, None])
+    tl.store(qt_ptr + offs_k[:, None] * Np + offs_n[None, :], tl.trans(q), mask=in_k[:, None] & (offs_n < Np)[None, :])
     if pid_n * BLOCK < N:
         tl.store(s_ptr + pid_n * KB + pid_k, s)
 
@@ -129,7 +125,7 @@ def quantize_tiles_and_transpose(x2d, row_fmt, col_fmt, pow2: bool, pad: int):
     _act_kernel[grid](
         x2d, M, K, x2d.stride(0), qr, sr, Kp, qc, sc, Mp,
         ROW_MAX=row_fmt.max, ROW_DTYPE=_tl_dtype(row_fmt.dtype), COL_MAX=col_fmt.max, COL_DTYPE=_tl_dtype(col_fmt.dtype),
-        POW2=pow2, BLOCK=_TILE,
+        POW2=pow2, BLOCK=_TILE, num_warps=8,
     )
     return qr, sr.t(), qc, sc.t()
 
@@ -145,7 +141,7 @@ def quantize_blocks_and_transpose(w, fmt, pow2: bool, pad: int):
     s = torch.empty(-(-N // _TILE), KB, dtype=torch.float32, device=dev)
     _weight_kernel[(NB, max(KB, -(-K // _TILE)))](
         w, N, K, w.stride(0), q, Kp, qt, Np, s, KB,
-        FMT_MAX=fmt.max, DTYPE=_tl_dtype(fmt.dtype), POW2=pow2, BLOCK=_TILE,
+        FMT_MAX=fmt.max, DTYPE=_tl_dtype(fmt.dtype), POW2=pow2, BLOCK=_TILE, num_warps=8,
     )
     return q, qt, s
 

@@ -21,7 +21,7 @@ import sys
 import torch
 import triton.testing
 
-from fp8train import FP8Linear
+from fp8train import FP8Linear, cache_fp8_weights
 from fp8train import _triton_quant
 from fp8train.linear import _fp8_mm, _quantize_activation, _quantize_weight
 from fp8train.recipe import make_recipe
@@ -60,8 +60,8 @@ def bench_shape(M: int, N: int, K: int) -> dict:
     r["bf16_fwdbwd"] = _ms(bf16_step)
     r["fp8_fwd"] = _ms(fp8_fwd)
     r["fp8_fwdbwd"] = _ms(fp8_step)
-    fp8._weight_cache = None
-    r["fp8_fwdbwd_cached_w"] = _ms(lambda: fp8(x).backward(g))  # later micro-batches of a step
+    with cache_fp8_weights(fp8):  # later micro-batches of a step
+        r["fp8_fwdbwd_cached_w"] = _ms(lambda: fp8(x).backward(g))
 
     recipe = make_recipe("hybrid")
     with torch.no_grad():

@@ -18,7 +18,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .linear import FP8Linear
 from .recipe import Fp8Recipe, make_recipe
 
-__all__ = ["ConversionReport", "convert_to_fp8", "track_fp8_health", "summarize_fp8_health", "DECODER_PROJECTIONS"]
+__all__ = ["ConversionReport", "convert_to_fp8", "cache_fp8_weights", "track_fp8_health", "summarize_fp8_health",
+           "DECODER_PROJECTIONS"]
 
 DECODER_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -79,6 +80,24 @@ def convert_to_fp8(
             setattr(parent, child, FP8Linear.from_linear(module, recipe, input_cache))
             report.converted.append(fqn)
     return report
+
+
+@contextlib.contextmanager
+def cache_fp8_weights(model: nn.Module) -> Iterator[None]:
+    """Quantize each FP8Linear's weight once for everything inside the context (the micro-batches of one
+    optimizer step, their backward and activation-checkpointing recomputes), then drop the copies.
+
+    Step the optimizer outside it: weights must not change while it is open (fused AdamW updates them
+    without bumping their version counter, so a change would go unnoticed)."""
+    layers = [m for m in model.modules() if isinstance(m, FP8Linear)]
+    for m in layers:
+        m._cache_weight = True
+    try:
+        yield
+    finally:
+        for m in layers:
+            m._cache_weight = False
+            m._weight_cache = None
 
 
 @contextlib.contextmanager

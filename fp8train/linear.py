@@ -196,15 +196,19 @@ class FP8Linear(nn.Linear):
     """nn.Linear whose output, grad_input and grad_weight GEMMs run in FP8 per `recipe`.
 
     Holds the same `weight`/`bias` Parameters as the Linear it replaces (see `from_linear`), so
-    optimizers and state_dicts are unaffected. The FP8 copies of the weight are cached until the weight
-    changes (its version counter moves), so micro-batches of one step quantize it once.
+    optimizers and state_dicts are unaffected. Inside `fp8train.convert.cache_fp8_weights(model)` (the
+    trainer wraps each optimizer step's micro-batches in it) the FP8 copies of the weight are made once
+    and reused; outside it every forward re-quantizes the current weight.
     """
 
     def __init__(self, in_features, out_features, bias=True, recipe="hybrid", device=None, dtype=None):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.recipe = make_recipe(recipe)
         self._weight_cache = None
-        self._cache_weight = True  # FSDP turns this off: it refills the gathered weight in place
+        # Off by default: optimizers may update weights without bumping their version counter (fused
+        # AdamW does not), so a cache keyed on it can go stale. `cache_fp8_weights` turns it on for the
+        # micro-batches of one optimizer step, when the weights cannot change.
+        self._cache_weight = False
         self._input_cache: WeakIdKeyDictionary | None = None
         self._health: dict | None = None
 
@@ -220,7 +224,7 @@ class FP8Linear(nn.Linear):
         gathered = getattr(weight, "fp8_operands", None)
         if gathered is not None:  # FSDP all-gathered it already in FP8 (fp8train._fsdp_fp8): use those blocks
             return gathered(self.recipe, cublas)
-        if not self._cache_weight:  # FSDP refills its gather buffer in place, with no version bump
+        if not self._cache_weight:
             return _quantize_weight(weight.detach(), self.recipe, cublas)
         key = (weight.data_ptr(), weight._version, weight.dtype, cublas, id(self.recipe))
         if self._weight_cache is None or self._weight_cache[0] != key:

@@ -123,3 +123,26 @@ def test_health_tracking():
     assert set(summary) == set(PROJ) and set(summary["q_proj"]) == {"input", "weight", "grad_output"}
     model(input_ids=ids)  # outside the context nothing is recorded any more
     assert all(m._health is None for m in model.modules() if isinstance(m, FP8Linear))
+
+
+def test_fused_adamw_updates_are_seen_by_fp8_layers():
+    """Regression: fused AdamW updates weights without bumping their version counter; a weight cache
+    keyed on it trained with stale FP8 weights (seen on the GPU). The model must always compute with
+    the current weights: its loss equals that of a fresh conversion of the same state_dict."""
+    from fp8train import cache_fp8_weights
+
+    model = tiny(seed=6)
+    convert_to_fp8(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    ids = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(2))
+    for _ in range(3):
+        with cache_fp8_weights(model):
+            for half in ids.split(1):  # two micro-batches share one weight quantization
+                model(input_ids=half, labels=half).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    fresh = tiny(seed=7)
+    fresh.load_state_dict(model.state_dict())
+    convert_to_fp8(fresh)
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids, labels=ids).loss, fresh(input_ids=ids, labels=ids).loss)

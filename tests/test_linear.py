@@ -109,16 +109,26 @@ def test_autocast_3d_bias_and_dtypes():
     assert xr.grad.dtype == torch.bfloat16 and m.weight.grad.dtype == torch.float32
 
 
-def test_weight_cache_follows_updates():
+def test_weight_cache_only_inside_a_step_and_never_stale():
+    from fp8train import cache_fp8_weights
+
     _, m, x, _ = _setup("hybrid")
     y1 = m(x)
-    cached = m._weight_cache
-    assert m(x) is not None and m._weight_cache is cached  # reused while the weight is unchanged
-    opt = torch.optim.SGD(m.parameters(), lr=1.0)
-    m(x).sum().backward()
-    opt.step()
+    assert m._weight_cache is None  # no cache outside a step
+    with torch.no_grad():
+        m.weight.data.mul_(2)  # how fused AdamW updates: no version-counter bump
     y2 = m(x)
-    assert m._weight_cache is not cached and not torch.equal(y1, y2)
+    assert not torch.equal(y1, y2), "a weight update must always be seen"
+    with cache_fp8_weights(m):
+        m(x)
+        cached = m._weight_cache
+        assert cached is not None
+        m(x).sum().backward()
+        assert m._weight_cache is cached  # micro-batches of one step reuse one quantization
+    assert m._weight_cache is None and not m._cache_weight
+    opt = torch.optim.AdamW(m.parameters(), lr=1.0, fused=True)
+    opt.step()
+    assert not torch.equal(m(x), y2)
 
 
 def test_activation_checkpointing_gives_identical_grads():

@@ -1,0 +1,156 @@
+"""The `fp8train` command: train | plot | demo | export | eval.
+
+    fp8train train configs/tiny_cpt.yaml optim.lr=3e-4 recipe=bf16
+    fp8train train --help-config
+    fp8train plot runs/fp8 runs/bf16 -o loss.png
+    fp8train demo
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+__all__ = ["main", "build_parser"]
+
+# Errors of the user's making: print the message, not a traceback (--traceback shows it anyway).
+_USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, FileExistsError)
+
+
+def _run_train(args: argparse.Namespace) -> int:
+    from .config import format_config_help, load_config
+
+    if args.help_config:
+        print(format_config_help())
+        return 0
+    config, overrides = None, list(args.args)
+    if overrides and "=" not in overrides[0]:
+        config = overrides.pop(0)
+    if config is None:
+        raise ValueError("give a config file: fp8train train CONFIG.yaml [key=value ...] (presets in configs/)")
+    bad = [o for o in overrides if "=" not in o]
+    if bad:
+        raise ValueError(f"overrides must be key=value, got {bad}")
+    cfg = load_config(config, overrides)
+
+    from .trainer import train
+
+    result = train(cfg, progress=not args.no_progress)
+    last = result.losses.get(result.step)
+    print(f"finished {cfg.run_dir}: step {result.step}"
+          + (f", loss {last:.4f}" if last is not None else "")
+          + (f", val_loss {result.val_loss:.4f}" if result.val_loss is not None else "")
+          + (f", {result.skipped_steps} skipped steps" if result.skipped_steps else ""))
+    return 0
+
+
+def _run_plot(args: argparse.Namespace) -> int:
+    from .plot import plot_runs
+
+    out = plot_runs(args.run_dirs, args.output, smooth=args.smooth, title=args.title)
+    print(f"wrote {out}")
+    return 0
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    from .demo import DemoConfig, run_demo
+
+    run_demo(DemoConfig(out_dir=args.out, device=args.device, steps=args.steps, cpu_threads=args.threads or None))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fp8train", description="End-to-end FP8 training (CPT and SFT) of "
+                                     "Hugging Face causal LMs with the InfiR2 hybrid-granularity recipe.")
+    parser.add_argument("--traceback", action="store_true", help="show the full traceback on errors")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("train", help="continual pretraining or SFT from a YAML config",
+                       description="Train from a YAML config (presets in configs/) with dotted key=value "
+                       "overrides, e.g. `fp8train train configs/tiny_cpt.yaml optim.lr=3e-4 recipe=bf16`.")
+    p.add_argument("args", nargs="*", metavar="CONFIG.yaml [key=value ...]",
+                   help="config file, then overrides (values are YAML scalars)")
+    p.add_argument("--help-config", action="store_true", help="list every config key with its meaning and exit")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
+    p.set_defaults(func=_run_train)
+
+    p = sub.add_parser("plot", help="overlay the loss curves of runs (FP8 vs BF16)")
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    p.add_argument("-o", "--output", required=True, metavar="FILE.png")
+    p.add_argument("--smooth", type=float, default=0.0, help="EMA factor for training curves, in [0, 1)")
+    p.add_argument("--title", default=None)
+    p.set_defaults(func=_run_plot)
+
+    p = sub.add_parser("demo", help="a small real FP8-vs-BF16 CPT run on Python's standard library sources",
+                       description="CPT of a small Qwen2-architecture model with the Qwen2.5 tokenizer on the "
+                       "Python standard library sources, in FP8 (hybrid) and BF16 with the same seed and "
+                       "data; prints both losses and writes OUT/loss.png. Uses the GPU when there is one.")
+    p.add_argument("--out", default="runs/demo", help="output directory (default: runs/demo)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--steps", type=int, default=None, help="override the number of steps")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads on a CPU (default 1, fastest on a busy machine; 0 = torch's default)")
+    p.set_defaults(func=_run_demo)
+
+    from .eval import add_cli as add_eval_cli
+    from .export import add_cli as add_export_cli
+
+    add_export_cli(sub)
+    add_eval_cli(sub)
+    return parser
+
+
+def _keep_freed_memory() -> None:
+    """Ask glibc to serve large blocks from the heap and never trim it.
+
+    A training step frees and re-allocates the same large activation buffers (on the CPU the
+    [tokens, 151936] logits alone are hundreds of MB), and by default glibc returns each one to the
+    kernel (mmap/munmap), so every step page-faults all of it in again. In a VM that made a CPU step
+    7-15x slower. This command owns its process, so it trades returning memory for speed; elsewhere
+    (musl, macOS) nothing changes.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    m_trim_threshold, m_mmap_threshold, int_max = -1, -3, 2**31 - 1
+    libc.mallopt(m_mmap_threshold, int_max)
+    libc.mallopt(m_trim_threshold, int_max)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    # Overrides may follow options (`train CONFIG --no-progress a=1`), which argparse would split off.
+    args, extra = parser.parse_known_args(argv)
+    if extra and (args.command != "train" or any(e.startswith("-") for e in extra)):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:
+        args.args = list(args.args) + extra
+    _keep_freed_memory()
+    if args.command in ("train", "demo"):
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # a "Writing model shards" bar per checkpoint would bury ours
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    from .checkpoint import CorruptCheckpointError
+    from .trainer import NonFiniteLossError
+
+    try:
+        return int(args.func(args) or 0)
+    except (*_USER_ERRORS, CorruptCheckpointError, NonFiniteLossError) as e:
+        if args.traceback:
+            raise
+        print(f"fp8train {args.command}: error: {e}", file=sys.stderr)
+        return 2 if isinstance(e, ValueError) else 1
+    except KeyboardInterrupt:
+        print(f"fp8train {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""Configs: presets, strict parsing (unknown keys, types, batch divisibility), overrides, round trip."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from fp8train.config import ConfigError, config_to_dict, format_config_help, load_config, parse_overrides
+from fp8train.data import CptDataConfig, SftDataConfig
+
+CONFIGS = Path(__file__).parent.parent / "configs"
+PRESETS = sorted(CONFIGS.glob("*.yaml"))
+CPT = ["stage=cpt", "data.paths=[corpus.txt]", "train.steps=10"]
+
+
+def test_every_preset_loads():
+    names = {p.name for p in PRESETS}
+    assert {"qwen2.5-1.5b_cpt.yaml", "qwen2.5-7b_cpt.yaml", "qwen2.5-1.5b_sft.yaml", "qwen2.5-7b_sft.yaml",
+            "tiny_cpt.yaml", "tiny_sft.yaml"} <= names
+    for path in PRESETS:
+        cfg = load_config(path)
+        assert isinstance(cfg.data, CptDataConfig if cfg.stage == "cpt" else SftDataConfig), path
+        assert cfg.recipe == "hybrid", path
+
+
+@pytest.mark.parametrize("size", ["1.5b", "7b"])
+def test_paper_cpt_recipe(size):
+    cfg = load_config(CONFIGS / f"qwen2.5-{size}_cpt.yaml")
+    assert (cfg.stage, cfg.data.seq_len, cfg.train.global_batch, cfg.train.steps) == ("cpt", 32768, 128, 40000)
+    o = cfg.optim
+    assert (o.betas, o.weight_decay, o.grad_clip) == ((0.9, 0.95), 0.1, 1.0)
+    assert (o.schedule, o.warmup_steps, o.decay_steps, o.lr, o.min_lr) == ("wsd", 5000, 5000, 1e-4, 1e-5)
+
+
+@pytest.mark.parametrize("size,peak,final", [("1.5b", 5e-5, 5e-6), ("7b", 2e-5, 2e-6)])
+def test_paper_sft_recipe(size, peak, final):
+    cfg = load_config(CONFIGS / f"qwen2.5-{size}_sft.yaml")
+    assert (cfg.stage, cfg.data.seq_len, cfg.train.global_batch, cfg.train.epochs, cfg.train.steps) == \
+        ("sft", 32768, 64, 5.0, None)
+    o = cfg.optim
+    assert (o.schedule, o.warmup_ratio, o.lr, o.min_lr, o.weight_decay, o.betas) == \
+        ("cosine", 0.05, peak, final, 0.0, (0.9, 0.95))
+
+
+def test_overrides_are_yaml_scalars():
+    cfg = load_config(None, CPT + ["optim.lr=3e-4", "recipe=bf16", "train.keep_last=null",
+                                   "optim.betas=[0.8, 0.99]", "data.paths=[a.txt, b.txt]", "train.compile=true"])
+    assert cfg.optim.lr == 3e-4 and isinstance(cfg.optim.lr, float)  # YAML 1.1 reads 3e-4 as a string
+    assert cfg.recipe == "bf16" and cfg.train.keep_last is None and cfg.train.compile is True
+    assert cfg.optim.betas == (0.8, 0.99) and cfg.data.paths == ["a.txt", "b.txt"]
+    assert parse_overrides(["a.b.c=1", "a.b.d=x", "e="]) == {"a": {"b": {"c": 1, "d": "x"}}, "e": None}
+
+
+def test_overrides_win_over_the_file(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("stage: cpt\ndata: {paths: [x], seq_len: 64}\ntrain: {steps: 5, micro_batch: 2}\n")
+    cfg = load_config(path, ["data.seq_len=128"])
+    assert (cfg.data.seq_len, cfg.data.paths, cfg.train.micro_batch) == (128, ["x"], 2)
+
+
+@pytest.mark.parametrize("override,key,hint", [
+    ("optim.lrr=1", "optim.lrr", "optim.lr"),
+    ("train.stepz=3", "train.stepz", "'train.steps'"),
+    ("recipee=bf16", "recipee", "recipe"),
+    ("data.seq_length=64", "data.seq_length", "seq_len"),
+    ("model.sorce=x", "model.sorce", "source"),
+    ("data.overlong=skip", "data.overlong", None),  # an SFT-only key under stage cpt
+])
+def test_unknown_keys_name_the_full_dotted_key(override, key, hint):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, CPT + [override])
+    assert f"unknown config key {key!r}" in str(e.value)
+    if hint:
+        assert "did you mean" in str(e.value) and hint in str(e.value)
+
+
+def test_unknown_key_in_yaml_names_file_and_key(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("stage: cpt\ndata: {paths: [x]}\ntrain: {steps: 5, eval_evry: 2}\n")
+    with pytest.raises(ConfigError, match=r"bad\.yaml: unknown config key 'train\.eval_evry' \(did you mean 'train\.eval_every'"):
+        load_config(path)
+
+
+def test_override_into_a_scalar_is_an_error():
+    with pytest.raises(ConfigError, match="'recipe' is set to a value"):
+        load_config(None, CPT + ["recipe=bf16", "recipe.x=1"])
+
+
+@pytest.mark.parametrize("override,key", [
+    ("train.steps=abc", "train.steps"),
+    ("optim.lr=fast", "optim.lr"),
+    ("train.compile=3", "train.compile"),
+    ("train.global_batch=2.5", "train.global_batch"),
+    ("recipe=fp4", "recipe"),
+    ("data.paths=notalist", None),  # a lone string is accepted as one path by the data config
+    ("model=3", "model"),
+    ("optim.betas=[0.9]", "optim.betas"),
+])
+def test_wrong_types_name_the_key(override, key):
+    if key is None:
+        assert load_config(None, CPT + [override]).data.paths == ["notalist"]
+        return
+    with pytest.raises(ConfigError, match=f"config key '{key}"):
+        load_config(None, CPT + [override])
+
+
+def test_global_batch_must_divide():
+    with pytest.raises(ConfigError, match=r"'train.global_batch' \(10\).*'train.micro_batch' \(4\)"):
+        load_config(None, CPT + ["train.global_batch=10", "train.micro_batch=4"])
+    cfg = load_config(None, CPT + ["train.global_batch=12", "train.micro_batch=4"])
+    with pytest.raises(ConfigError, match=r"world size \(8\)"):
+        cfg.validate(world_size=8)
+    cfg.validate(world_size=3)
+
+
+def test_missing_and_inconsistent_sections():
+    with pytest.raises(ConfigError, match="missing required config section 'data'"):
+        load_config(None, ["train.steps=3"])
+    with pytest.raises(ConfigError, match="'train.steps' or 'train.epochs'"):
+        load_config(None, ["data.paths=[x]"])
+    with pytest.raises(ConfigError, match="data"):
+        load_config(None, ["data.paths=[]", "train.steps=3"])  # the data config's own check, under its section
+
+
+def test_resolved_config_round_trips(tmp_path):
+    cfg = load_config(CONFIGS / "qwen2.5-7b_sft.yaml", ["optim.lr=1e-5", "train.keep_last=null"])
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config_to_dict(cfg)))
+    assert load_config(path) == cfg
+
+
+def test_help_lists_every_key_with_its_docstring():
+    text = format_config_help()
+    for key in ("recipe", "pow2_scale", "resume", "model.source", "optim.lr", "train.max_nonfinite_steps",
+                "train.activation_checkpointing", "data.seq_len", "data.overlong", "data.document_masking"):
+        assert f"  {key}:" in text, key
+    assert "Stop with an error after this many NaN/Inf steps" in text
+    assert "stage: cpt | sft = cpt" in text

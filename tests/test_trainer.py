@@ -1,0 +1,284 @@
+"""The training loop on tiny models: golden per-step losses, learning, loss averaging, NaN handling.
+
+Regenerate the golden files after an intended numerics change with:
+    .venv/bin/python tests/test_trainer.py --regen
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fp8train.config import load_config
+from fp8train.trainer import NonFiniteLossError, Trainer
+
+GOLDEN = Path(__file__).parent / "golden"
+# Exact with the torch build and CPU kernels that wrote the file; elsewhere the tolerance absorbs
+# other BF16 kernels.
+GOLDEN_RTOL = 1e-3
+
+
+# ------------------------------------------------------------------------------ shared test helpers
+
+
+def make_byte_tokenizer(out_dir: Path) -> Path:
+    """A 259-token byte-level tokenizer (256 bytes + EOS + ChatML markers): tiny models, real text."""
+    from tokenizers import Tokenizer, decoders, models
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import PreTrainedTokenizerFast
+
+    from fp8train.data import CHATML_TEMPLATE
+
+    alphabet = sorted(ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
+                            chat_template=CHATML_TEMPLATE).save_pretrained(out_dir)
+    return out_dir
+
+
+def write_corpus(path: Path, n_docs: int = 300, seed: int = 0) -> Path:
+    """Documents of sums and short sentences: real structure a 2-layer model learns in a few steps."""
+    rng = random.Random(seed)
+    words = "the a cat dog sat ran on under mat log big small red blue".split()
+    docs = []
+    for _ in range(n_docs):
+        parts = []
+        for _ in range(rng.randint(3, 8)):
+            a, b = rng.randint(0, 50), rng.randint(0, 50)
+            parts.append(f"{a} + {b} = {a + b}. the {rng.choice(words)} {rng.choice(words)} on the {rng.choice(words)}.")
+        docs.append(" ".join(parts))
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs), encoding="utf-8")
+    return path
+
+
+def tiny_overrides(workdir: Path, tokenizer_dir: Path, corpus: Path, **extra) -> list[str]:
+    """Overrides that turn configs/tiny_cpt.yaml into a seconds-long run with the byte tokenizer."""
+    values = {
+        "run_dir": workdir / "run", "device": "cpu", "model.source": "tiny-qwen2", "model.tokenizer": tokenizer_dir,
+        "data.paths": f"[{corpus}]", "data.include": "['*.jsonl']", "data.seq_len": 64, "data.val_fraction": 0.1,
+        "data.max_tokens": "null", "data.cache_dir": workdir.parent / "token_cache",
+        "optim.lr": 3e-3, "optim.warmup_steps": 2, "optim.decay_steps": 3,
+        "train.steps": 8, "train.global_batch": 8, "train.micro_batch": 4, "train.eval_every": 4,
+        "train.eval_batches": 2, "train.save_every": 4, "train.health_every": 4, "train.log_every": 1,
+    }
+    values.update(extra)
+    return [f"{k}={v}" for k, v in values.items()]
+
+
+TINY_CONFIG = Path(__file__).parent.parent / "configs" / "tiny_cpt.yaml"
+
+
+def tiny_config(workdir: Path, tokenizer_dir: Path, corpus: Path, **extra):
+    return load_config(TINY_CONFIG, tiny_overrides(workdir, tokenizer_dir, corpus, **extra))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models gain nothing from a second thread, and OpenMP threads that spin-wait crawl on a busy
+    machine (10x here). The golden files are written with one thread too."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def byte_tokenizer(tmp_path_factory) -> Path:
+    return make_byte_tokenizer(tmp_path_factory.mktemp("byte_tokenizer"))
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory) -> Path:
+    return write_corpus(tmp_path_factory.mktemp("corpus") / "corpus.jsonl")
+
+
+# -------------------------------------------------------------------------------------------- golden
+
+
+def _golden_run(workdir: Path, tokenizer_dir: Path, corpus: Path, recipe: str) -> list[float]:
+    # Every key spelled out (no preset file), so editing configs/tiny_cpt.yaml leaves the golden alone.
+    pinned = {"stage": "cpt", "seed": 0, "recipe": recipe, "pow2_scale": "true", "optim.min_lr": 3e-4,
+              "optim.weight_decay": 0.1, "optim.grad_clip": 1.0, "optim.schedule": "wsd", "train.steps": 10}
+    cfg = load_config(None, tiny_overrides(workdir, tokenizer_dir, corpus, **pinned))
+    result = Trainer(cfg, progress=False).fit()
+    return [result.losses[s] for s in sorted(result.losses)] + [result.val_loss]
+
+
+@pytest.fixture(scope="module")
+def golden_runs(tmp_path_factory, byte_tokenizer, corpus) -> dict[str, list[float]]:
+    return {recipe: _golden_run(tmp_path_factory.mktemp(recipe), byte_tokenizer, corpus, recipe)
+            for recipe in ("bf16", "hybrid")}
+
+
+def _same_kernels(golden: dict) -> bool:
+    """Same torch build and CPU kernel family as the machine that wrote the file: then exact."""
+    return (golden.get("torch") == torch.__version__
+            and golden.get("cpu_capability") == torch.backends.cpu.get_cpu_capability())
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "hybrid"])
+def test_golden_losses(golden_runs, recipe):
+    golden = json.loads((GOLDEN / f"tiny_{recipe}.json").read_text())
+    got = golden_runs[recipe]
+    assert len(got) == len(golden["losses"]) + 1
+    if _same_kernels(golden):
+        assert got == golden["losses"] + [golden["val_loss"]]  # bit for bit
+        return
+    torch.testing.assert_close(torch.tensor(got[:-1], dtype=torch.float64),
+                               torch.tensor(golden["losses"], dtype=torch.float64), rtol=GOLDEN_RTOL, atol=0)
+    assert got[-1] == pytest.approx(golden["val_loss"], rel=GOLDEN_RTOL)
+
+
+def test_fp8_and_bf16_both_learn_and_agree(golden_runs):
+    for recipe, losses in golden_runs.items():
+        *train, val = losses
+        assert train[0] > 5.0, recipe  # ~ln(320): a random init
+        assert train[-1] < train[0] - 2.0, f"{recipe} did not learn: {train}"
+        assert val < train[0] - 2.0
+    fp8, bf16 = golden_runs["hybrid"], golden_runs["bf16"]
+    assert fp8 != bf16  # FP8 really changed the numerics ...
+    assert abs(fp8[-1] - bf16[-1]) / bf16[-1] < 0.02  # ... and stays near-lossless
+
+
+# ------------------------------------------------------------------------------- loss averaging
+
+
+class _ListDataset(list):
+    pass
+
+
+def _masked_dataset(n: int, seq: int, vocab: int, seed: int) -> _ListDataset:
+    """Rows whose label counts differ a lot, so a per-micro-batch mean would differ from a per-token one."""
+    g = torch.Generator().manual_seed(seed)
+    rows = _ListDataset()
+    for i in range(n):
+        ids = torch.randint(0, vocab, (seq,), generator=g)
+        labels = ids.clone()
+        labels[: (i * 7) % (seq - 4)] = -100
+        rows.append({"input_ids": ids, "labels": labels, "position_ids": torch.arange(seq)})
+    return rows
+
+
+def test_loss_is_mean_over_target_tokens_of_global_batch(tmp_path, byte_tokenizer, corpus):
+    data = _masked_dataset(16, 32, 259, seed=1)
+    cfg = tiny_config(tmp_path, byte_tokenizer, corpus, recipe="bf16", **{"train.micro_batch": 1})
+    trainer = Trainer(cfg, progress=False, tokenizer=None, train_data=data, val_data=None,
+                      model=_tiny_model(byte_tokenizer))
+    indices = trainer.sampler.batch(0)
+    batch = {k: torch.stack([data[i][k] for i in indices]) for k in data[0]}
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = trainer.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits.float()
+    targets = batch["labels"][:, 1:]
+    ce = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                                           ignore_index=-100, reduction="sum")
+    expected = float(ce / (targets != -100).sum())
+    loss, grad_norm, _ = trainer.train_step(trainer._micro_batches(next(trainer._batches)))
+    assert loss == pytest.approx(expected, rel=2e-3)
+    per_micro_mean = sum(float(torch.nn.functional.cross_entropy(
+        logits[i, :-1], targets[i], ignore_index=-100)) for i in range(len(indices))) / len(indices)
+    assert abs(per_micro_mean - expected) > 5 * abs(loss - expected)  # the two averages differ here
+    assert math.isfinite(grad_norm) and grad_norm > 0
+
+
+def _tiny_model(tokenizer_dir: Path):
+    from fp8train.data import load_tokenizer
+    from fp8train.model import ModelConfig, build_model
+
+    torch.manual_seed(0)
+    return build_model(ModelConfig(source="tiny-qwen2"), load_tokenizer(str(tokenizer_dir)))
+
+
+def test_gradient_accumulation_matches_one_big_micro_batch(tmp_path, byte_tokenizer, corpus):
+    losses = {}
+    for mb in (1, 8):
+        cfg = tiny_config(tmp_path / f"mb{mb}", byte_tokenizer, corpus, recipe="bf16",
+                          **{"train.micro_batch": mb, "train.steps": 3, "train.save_every": 0,
+                             "optim.warmup_steps": 1, "optim.decay_steps": 1})
+        trainer = Trainer(cfg, progress=False)
+        losses[mb] = [trainer.train_step(trainer._micro_batches(next(trainer._batches)))[0] for _ in range(3)]
+    torch.testing.assert_close(torch.tensor(losses[1]), torch.tensor(losses[8]), rtol=5e-3, atol=0)
+
+
+# ------------------------------------------------------------------------------------- NaN / Inf
+
+
+def _nan_on_steps(trainer: Trainer, steps: set[int]):
+    """Make the final norm emit NaN during the forward passes of the given (1-based) steps."""
+    def hook(module, args, output):
+        return output * float("nan") if trainer.step + 1 in steps and module.training else output
+    return trainer.model.model.norm.register_forward_hook(hook)
+
+
+def test_nonfinite_step_is_skipped_and_counted(tmp_path, byte_tokenizer, corpus):
+    cfg = tiny_config(tmp_path, byte_tokenizer, corpus, recipe="hybrid", **{"train.steps": 5, "train.save_every": 0})
+    trainer = Trainer(cfg, progress=False)
+    _nan_on_steps(trainer, {3})
+    snapshots = {}
+    original = trainer.train_step
+
+    def spy(batches, track_health=False):
+        before = [p.detach().clone() for p in trainer.model.parameters()]
+        out = original(batches, track_health)
+        snapshots[trainer.step + 1] = all(torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
+        return out
+
+    trainer.train_step = spy
+    result = trainer.fit()
+    assert result.skipped_steps == 1 and result.step == 5
+    assert math.isnan(result.losses[3]) and all(math.isfinite(result.losses[s]) for s in (1, 2, 4, 5))
+    assert snapshots == {1: False, 2: False, 3: True, 4: False, 5: False}  # no update on the NaN step only
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["skipped_steps"] for r in records if "loss" in r] == [0, 0, 1, 1, 1]
+
+
+def test_stops_after_max_nonfinite_steps_keeping_last_good_checkpoint(tmp_path, byte_tokenizer, corpus):
+    from fp8train.checkpoint import find_latest_checkpoint, load_checkpoint
+
+    cfg = tiny_config(tmp_path, byte_tokenizer, corpus, recipe="hybrid",
+                      **{"train.steps": 10, "train.save_every": 2, "train.max_nonfinite_steps": 3})
+    trainer = Trainer(cfg, progress=False)
+    _nan_on_steps(trainer, set(range(4, 11)))
+    with pytest.raises(NonFiniteLossError, match=r"3 non-finite steps in a row at step 6.*step_00000004"):
+        trainer.fit()
+    assert trainer.step == 6 and trainer.skipped_steps == 3
+    latest = find_latest_checkpoint(tmp_path / "run" / "checkpoints")
+    assert latest.name == "step_00000004"  # step 6 (a skipped step) was not saved
+    fresh = _tiny_model(byte_tokenizer)
+    state = load_checkpoint(latest, model=fresh)
+    assert state["step"] == 4
+    for a, b in zip(fresh.parameters(), trainer.model.parameters()):  # nothing moved after step 3
+        assert torch.equal(a, b.detach())
+
+
+# ------------------------------------------------------------------------------------------ regen
+
+
+def _regenerate() -> None:
+    import tempfile
+
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        tok, corpus_path = make_byte_tokenizer(tmp / "tok"), write_corpus(tmp / "corpus.jsonl")
+        for recipe in ("bf16", "hybrid"):
+            *losses, val = _golden_run(tmp / recipe, tok, corpus_path, recipe)
+            out = {"recipe": recipe, "losses": losses, "val_loss": val, "torch": torch.__version__,
+                   "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                   "command": "python tests/test_trainer.py --regen"}
+            (GOLDEN / f"tiny_{recipe}.json").write_text(json.dumps(out, indent=1) + "\n")
+            print(f"wrote {GOLDEN / f'tiny_{recipe}.json'}: {[round(x, 4) for x in losses]}, val {val:.4f}")
+
+
+if __name__ == "__main__":
+    if "--regen" not in sys.argv:
+        sys.exit("usage: python tests/test_trainer.py --regen   (rewrites tests/golden/tiny_*.json)")
+    _regenerate()

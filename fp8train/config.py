@@ -26,6 +26,7 @@ from typing import Any, Literal
 import yaml
 
 from .data import CptDataConfig, SftDataConfig
+from .distributed import DistributedConfig
 from .model import ModelConfig
 from .optim import OptimConfig
 
@@ -95,6 +96,8 @@ class TrainConfig:
     """AdamW and the learning-rate schedule (section)."""
     train: LoopConfig = field(default_factory=LoopConfig)
     """The training loop (section)."""
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    """torchrun + FSDP2 options (section); ignored in a single process."""
 
     def validate(self, world_size: int = 1) -> None:
         """Cross-field checks; the trainer calls it again with the real world size."""

@@ -13,6 +13,7 @@ checkpoint (model, optimizer, scheduler, sampler position, RNG) reproduces it bi
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,6 +31,8 @@ from .metrics import MetricsLogger, Throughput, flops_per_token, peak_memory_gib
 from .model import build_model, load_model_tokenizer, parallelize_model
 from .optim import build_optimizer, build_scheduler, clip_grad_norm
 from .recipe import make_recipe
+
+log = logging.getLogger(__name__)
 
 __all__ = ["NonFiniteLossError", "World", "TrainResult", "Trainer", "train"]
 
@@ -165,7 +168,16 @@ class Trainer:
         path = find_latest_checkpoint(self.ckpt_root) if mode.lower() == "auto" else Path(mode)
         if path is None:
             return
-        state = load_checkpoint(path, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler)
+        from .distributed import is_sharded_checkpoint, load_sharded
+
+        if is_sharded_checkpoint(path):  # written by a torchrun run, at any world size
+            state = load_sharded(path, self.model, self.optimizer)
+            self.scheduler.load_state_dict(state["scheduler"])
+        elif self.world.world_size > 1:
+            raise ValueError(f"{path} is a single-process checkpoint; resume it with one process (its sharded "
+                             "checkpoints then resume at any world size)")
+        else:
+            state = load_checkpoint(path, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler)
         self.sampler.load_state_dict(state["sampler"])
         self._batches = iter(self.sampler)
         self.step = state["step"]
@@ -263,10 +275,13 @@ class Trainer:
         return float(total / count) if count > 0 else None
 
     def save(self) -> Path | None:
-        if not self.world.is_main:  # the sharded (DCP) save of the distributed path writes on every rank
-            return None
         state = {"step": self.step, "sampler": self.sampler.state_dict(), "skipped_steps": self.skipped_steps,
                  "nonfinite_in_a_row": self._nonfinite_in_a_row, "tokens_seen": self.tokens_seen}
+        if self.world.world_size > 1:  # every rank writes its shards (DCP), resumable at any world size
+            from .distributed import save_sharded
+
+            return save_sharded(self.ckpt_root / f"step_{self.step:08d}", self.model, self.optimizer,
+                                {**state, "scheduler": self.scheduler.state_dict()})
         return save_checkpoint(self.ckpt_root, self.step, model=self.model, optimizer=self.optimizer,
                                scheduler=self.scheduler, train_state=state, tokenizer=self.tokenizer,
                                keep_last=self.cfg.train.keep_last)
@@ -300,12 +315,32 @@ class Trainer:
             if not result.losses:  # resumed a finished run: nothing to train, still report and export
                 result.val_loss = self.evaluate()
             result.step, result.skipped_steps = self.step, self.skipped_steps
+            result.final_dir = self._export_final()
             if self.world.is_main:
-                result.final_dir = export_hf(self.model, self.run_dir / "final", self.tokenizer, overwrite=True)
                 self.logger.write(f"done: step {self.step}, final model in {result.final_dir}")
         finally:
             self.logger.close()
         return result
+
+    def _export_final(self) -> Path | None:
+        """The Hugging Face export of the final model (rank 0 gathers a sharded model first)."""
+        out = self.run_dir / "final"
+        if self.world.world_size == 1:
+            return export_hf(self.model, out, self.tokenizer, overwrite=True)
+        from .distributed import barrier, gather_full_state_dict
+
+        full = gather_full_state_dict(self.model)  # collective: every rank takes part
+        path = None
+        if self.world.is_main:
+            from transformers import AutoModelForCausalLM
+
+            with torch.device("meta"):
+                plain = AutoModelForCausalLM.from_config(self.model.config, dtype=torch.float32)
+            plain.load_state_dict(full, assign=True)
+            plain.tie_weights()
+            path = export_hf(plain, out, self.tokenizer, overwrite=True)
+        barrier()
+        return path
 
     def _report_nonfinite(self, step: int, loss: float, grad_norm: float) -> None:
         limit = self.cfg.train.max_nonfinite_steps
@@ -349,5 +384,21 @@ class Trainer:
 
 
 def train(cfg: TrainConfig, **kwargs) -> TrainResult:
-    """Build a `Trainer` from `cfg` and run it to the end."""
-    return Trainer(cfg, **kwargs).fit()
+    """Build a `Trainer` from `cfg` and run it to the end; under torchrun, on every rank with FSDP2."""
+    from . import distributed as dist
+
+    info = dist.init_distributed(cfg.distributed)
+    if info.world_size == 1:
+        return Trainer(cfg, **kwargs).fit()
+
+    def shard(model: nn.Module) -> None:
+        report = dist.apply_fsdp(model, cfg.distributed, info)
+        if info.is_main:
+            log.info("FSDP2: %d sharded modules, FP8 all-gather for %d weights, BF16 gather for %d",
+                     len(report.sharded), len(report.fp8_gather), len(report.bf16_gather))
+
+    world = World(rank=info.rank, world_size=info.world_size, shard=shard, all_reduce_sum=dist.all_reduce_sum)
+    try:
+        return Trainer(cfg, world=world, **kwargs).fit()
+    finally:
+        dist.destroy()

@@ -138,10 +138,12 @@ def _fp8_mm(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype, cublas: bool) ->
 
 def _health(x2d: torch.Tensor, q: Fp8Tensor) -> dict:
     """Fraction of non-zero values flushed to zero, fraction at the top of the FP8 range, scale range."""
-    data = q.data[: x2d.shape[0], : x2d.shape[1]].float()
+    rows, cols = x2d.shape
+    data = q.data[:rows, :cols].float()
     nonzero = x2d != 0
     n = max(int(nonzero.sum()), 1)
-    finite = q.scale[torch.isfinite(q.scale)]
+    scale = q.scale if q.block is None else q.scale[: -(-rows // q.block[0]), : -(-cols // q.block[1])]
+    finite = scale[torch.isfinite(scale)]  # the blocks of x only: padding blocks (scale 1) left out
     return {
         "underflow": float(((data == 0) & nonzero).sum()) / n,
         "saturation": float((data.abs() >= q.fmt.max).sum()) / max(data.numel(), 1),

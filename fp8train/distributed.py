@@ -28,11 +28,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Literal
 
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from . import _fsdp_fp8
+
+from .checkpoint import _fsync_dir
 
 __all__ = ["DistributedConfig", "FsdpReport", "ParallelInfo", "all_reduce_sum", "apply_fsdp", "barrier", "destroy",
            "gather_full_state_dict", "init_distributed", "is_sharded_checkpoint", "load_sharded", "save_sharded"]
@@ -260,12 +263,6 @@ def _all_ok(fn: Callable[[], None], what: str) -> None:
         raise RuntimeError(f"{what} failed on rank {failed}")
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:
@@ -327,13 +324,13 @@ def save_sharded(path: str | os.PathLike, model: nn.Module, optimizer: torch.opt
             json.dump(manifest, f, indent=2, sort_keys=True)
             f.flush()
             os.fsync(f.fileno())
-        _fsync(tmp)
+        _fsync_dir(tmp)
         if final.exists():  # a re-save of the same step: move the old one out of the way first
             trash = final.with_name(f".trash_{final.name}.{uuid.uuid4().hex[:12]}")
             os.replace(final, trash)
             shutil.rmtree(trash, ignore_errors=True)
         os.replace(tmp, final)
-        _fsync(final.parent)
+        _fsync_dir(final.parent)
 
     _all_ok(finalize, f"finalizing checkpoint {final}")
     return final

@@ -65,8 +65,8 @@ def bench_shape(M: int, N: int, K: int) -> dict:
 
     recipe = make_recipe("hybrid")
     with torch.no_grad():
-        xa, xt = _quantize_activation(x.detach(), recipe.output.a, recipe.grad_weight.b, True, True)
-        ga, gt = _quantize_activation(g, recipe.grad_input.a, recipe.grad_weight.a, True, True)
+        xa, xt = _quantize_activation(x.detach(), recipe.output.a, recipe.grad_weight.b, True, True, (512, 512))
+        ga, gt = _quantize_activation(g, recipe.grad_input.a, recipe.grad_weight.a, True, True, (512, 512))
         wo, wgi = _quantize_weight(fp8.weight.detach(), recipe, True)
         wb = fp8.weight.detach()
         r["gemm_output_fp8"] = _ms(lambda: _fp8_mm(xa, wo, torch.bfloat16, True))

@@ -376,6 +376,7 @@ def export_hf(model: nn.Module, out_dir: str | os.PathLike, tokenizer=None, dtyp
         _save_model_dir(model, tmp, tokenizer, state_dict=state)
         config = copy.deepcopy(model.config)
         config.dtype = dtype  # save_pretrained records the in-memory (FP32) dtype
+        config.use_cache = True  # training turns the KV cache off; generation from the export wants it
         config.save_pretrained(tmp)
         _sync_tree(tmp)
         if out_dir.exists() and not out_dir.is_dir():

@@ -28,7 +28,7 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .quant import Fp8Tensor, _quantize_2d, _resolve_block, expand_scale
-from .recipe import Fp8Recipe, OperandConfig, make_recipe
+from .recipe import Fp8Recipe, GemmConfig, OperandConfig, make_recipe
 
 __all__ = ["FP8Linear"]
 
@@ -71,38 +71,42 @@ def _quantize(x2d: torch.Tensor, cfg: OperandConfig, pow2: bool, pad: int) -> Fp
     return Fp8Tensor(data, scale, block, cfg.fmt)
 
 
-def _pad_for(cublas: bool, *cfgs: OperandConfig) -> int:
-    """Contraction padding on the cuBLAS path: 512 for blockwise scaling, 16 (FP8 alignment) otherwise."""
+def _pad_for(cublas: bool, gemm: GemmConfig) -> int:
+    """Contraction padding of one GEMM on the cuBLAS path: 512 for the blockwise kernels (whole groups of
+    four 128-blocks), 16 (FP8 alignment) otherwise, none when emulated. Both operands get the same."""
     if not cublas:
         return 1
-    return _CONTRACTION_PAD if all(c.block is not None and c.block[1] == 128 for c in cfgs) else 16
+    blockwise = all(c.block is not None and c.block[1] == 128 for c in (gemm.a, gemm.b))
+    return _CONTRACTION_PAD if blockwise else 16
 
 
-def _quantize_activation(x2d, rows_cfg: OperandConfig, cols_cfg: OperandConfig, pow2: bool, cublas: bool):
-    """FP8 copies of an activation x [M, K]: rows (blocks of x) and cols (blocks of x.T)."""
-    blockwise = _is_tile(rows_cfg) and _is_tile(cols_cfg)
-    pad = _pad_for(cublas, rows_cfg, cols_cfg)
-    if cublas and blockwise and _triton_quant is not None:
-        qr, sr, qc, sc = _triton_quant.quantize_tiles_and_transpose(x2d, rows_cfg.fmt, cols_cfg.fmt, pow2, pad)
+def _quantize_activation(x2d, rows_cfg: OperandConfig, cols_cfg: OperandConfig, pow2: bool, cublas: bool,
+                         pads: tuple[int, int]):
+    """FP8 copies of an activation x [M, K]: rows (blocks of x) and cols (blocks of x.T), each padded
+    along its contraction dim for the GEMM it feeds (`pads`)."""
+    rows_pad, cols_pad = pads
+    if (cublas and _triton_quant is not None and _is_tile(rows_cfg) and _is_tile(cols_cfg)
+            and rows_pad == cols_pad == _CONTRACTION_PAD):
+        qr, sr, qc, sc = _triton_quant.quantize_tiles_and_transpose(x2d, rows_cfg.fmt, cols_cfg.fmt, pow2, rows_pad)
         return Fp8Tensor(qr, sr, (1, 128), rows_cfg.fmt), Fp8Tensor(qc, sc, (1, 128), cols_cfg.fmt)
-    rows = _quantize(x2d, rows_cfg, pow2, pad)
-    if rows_cfg == cols_cfg and rows_cfg.block is None and pad == 1:  # per-tensor: transpose-exact
+    rows = _quantize(x2d, rows_cfg, pow2, rows_pad)
+    if rows_cfg == cols_cfg and rows_cfg.block is None and rows_pad == cols_pad == 1:  # per-tensor: transpose-exact
         return rows, Fp8Tensor(rows.data.t().contiguous(), rows.scale, None, rows.fmt)
-    return rows, _quantize(x2d.t(), cols_cfg, pow2, pad)
+    return rows, _quantize(x2d.t(), cols_cfg, pow2, cols_pad)
 
 
 def _quantize_weight(w: torch.Tensor, recipe: Fp8Recipe, cublas: bool):
     """FP8 copies of the weight: W [N, K] for `output` and W.T [K, N] for `grad_input`."""
     cfg, cfg_t = recipe.output.b, recipe.grad_input.b
-    square = cfg.block == (128, 128) and cfg_t == cfg
-    pad = _pad_for(cublas, cfg, cfg_t)
-    if cublas and square and _triton_quant is not None:
+    pad, pad_t = _pad_for(cublas, recipe.output), _pad_for(cublas, recipe.grad_input)
+    if (cublas and _triton_quant is not None and cfg.block == (128, 128) and cfg_t == cfg
+            and pad == pad_t == _CONTRACTION_PAD):
         q, qt, s = _triton_quant.quantize_blocks_and_transpose(w, cfg.fmt, recipe.pow2_scale, pad)
         kb = -(-w.shape[1] // 128)
         st = F.pad(s.t()[:kb], (0, qt.shape[1] // 128 - s.shape[0]), value=1.0)
         return Fp8Tensor(q, s, (128, 128), cfg.fmt), Fp8Tensor(qt, st.contiguous(), (128, 128), cfg.fmt)
     # 128x128 blocks and per-tensor scales are transpose-exact: quantizing w.t() gives the same numbers
-    return _quantize(w, cfg, recipe.pow2_scale, pad), _quantize(w.t(), cfg_t, recipe.pow2_scale, pad)
+    return _quantize(w, cfg, recipe.pow2_scale, pad), _quantize(w.t(), cfg_t, recipe.pow2_scale, pad_t)
 
 
 def _dequantize_2d(q: Fp8Tensor) -> torch.Tensor:
@@ -114,10 +118,30 @@ def _outer_major(scale: torch.Tensor) -> torch.Tensor:
     return scale if scale.stride(0) == 1 else scale.t().contiguous().t()
 
 
+def _kind(q: Fp8Tensor) -> str:
+    if q.block is None:
+        return "tensor"
+    if q.block == (1, 128):
+        return "tile"
+    if q.block == (128, 128):
+        return "block"
+    return "row" if q.block[0] == 1 and q.block[1] >= q.data.shape[1] else "other"
+
+
+def _cublas_pair(a: Fp8Tensor, b: Fp8Tensor) -> bool:
+    """Scaling pairs cuBLAS runs: per-tensor x per-tensor (not E5M2 x E5M2), row x row, and the E4M3
+    blockwise pairs 1x128 x 128x128 and 1x128 x 1x128. Anything else (custom recipes) is emulated."""
+    pair = (_kind(a), _kind(b))
+    e4m3 = a.data.dtype == b.data.dtype == torch.float8_e4m3fn
+    if pair == ("tensor", "tensor"):
+        return not (a.data.dtype == b.data.dtype == torch.float8_e5m2)
+    return (pair == ("row", "row") and e4m3) or (pair in {("tile", "block"), ("tile", "tile")} and e4m3)
+
+
 def _fp8_mm(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype, cublas: bool) -> torch.Tensor:
     """a @ b.T with a [Ra, C] and b [Rb, C] in FP8, FP32 accumulation, output in out_dtype."""
-    if not cublas or a.data.shape[0] % 16 or b.data.shape[0] % 16:  # cuBLAS FP8 needs 16-aligned dims
-        return (_dequantize_2d(a) @ _dequantize_2d(b).t()).to(out_dtype)
+    if not cublas or a.data.shape[0] % 16 or b.data.shape[0] % 16 or not _cublas_pair(a, b):
+        return (_dequantize_2d(a) @ _dequantize_2d(b).t()).to(out_dtype)  # emulated: same function
     ST = F.ScalingType
     # mat_a [Ra, C] row-major; mat_b = b.data.t(): [C, Rb] column-major (strides (1, C)).
     if a.block is None and b.block is None:
@@ -181,7 +205,9 @@ class _Fp8LinearFn(torch.autograd.Function):
         xd, xs, wd, ws = ctx.saved_tensors
         x_t, w_gi = Fp8Tensor(xd, xs, *ctx.meta[:2]), Fp8Tensor(wd, ws, *ctx.meta[2:])
         dy2d = dy.reshape(-1, dy.shape[-1])
-        g_a, g_t = _quantize_activation(dy2d, recipe.grad_input.a, recipe.grad_weight.a, recipe.pow2_scale, ctx.cublas)
+        pads = (_pad_for(ctx.cublas, recipe.grad_input), _pad_for(ctx.cublas, recipe.grad_weight))
+        g_a, g_t = _quantize_activation(dy2d, recipe.grad_input.a, recipe.grad_weight.a, recipe.pow2_scale,
+                                        ctx.cublas, pads)
         if module._health is not None:
             module._health["grad_output"] = _health(dy2d, g_a)
         dx = dw = db = None
@@ -237,12 +263,13 @@ class FP8Linear(nn.Linear):
     def _quantize_input(self, x: torch.Tensor, x2d: torch.Tensor, cublas: bool):
         """Siblings reading the same tensor (q/k/v, gate/up) share one quantization via `_input_cache`."""
         r = self.recipe
-        key = (x._version, r.output.a, r.grad_weight.b, r.pow2_scale, cublas)  # siblings may differ in recipe
+        key = (x._version, r.output, r.grad_weight, r.pow2_scale, cublas)  # siblings may differ in recipe
         cache = self._input_cache
         hit = cache.get(x) if cache is not None else None
         if hit is not None and hit[0] == key:
             return hit[1]
-        pair = _quantize_activation(x2d.detach(), r.output.a, r.grad_weight.b, r.pow2_scale, cublas)
+        pads = (_pad_for(cublas, r.output), _pad_for(cublas, r.grad_weight))
+        pair = _quantize_activation(x2d.detach(), r.output.a, r.grad_weight.b, r.pow2_scale, cublas, pads)
         if cache is not None:
             cache[x] = (key, pair)
         return pair

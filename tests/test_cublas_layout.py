@@ -77,3 +77,33 @@ def test_cublas_path_layouts_and_values(fake_cublas, recipe, shape):
         # padding adds exact zeros; only FP32 summation order may differ (rowwise: BF16 output rounding)
         tol = 1e-2 if recipe == "rowwise" else 1e-4
         assert torch.allclose(p, e, rtol=tol, atol=tol * e.abs().max()), f"{recipe} {name}"
+
+
+def test_mixed_granularity_recipes_fall_back_to_emulation(fake_cublas):
+    """A custom recipe whose operand pair cuBLAS has no kernel for (1x128 input with a per-tensor weight,
+    E5M2 tiles) must still compute the right function (emulated), never a wrong scaled_mm call."""
+    from fp8train.recipe import Fp8Format, GemmConfig, OperandConfig, make_recipe
+
+    base = make_recipe("hybrid")
+    e4, e5 = Fp8Format.E4M3, Fp8Format.E5M2
+    odd = [
+        base.__class__(base.name, GemmConfig(OperandConfig(e4, (1, 128)), OperandConfig(e4, None)),
+                       GemmConfig(OperandConfig(e5, (1, 128)), OperandConfig(e4, None)),
+                       base.grad_weight),
+    ]
+    torch.manual_seed(0)
+    x, g = torch.randn(64, 256), torch.randn(64, 128)
+    for recipe in odd:
+        outs = []
+        for cublas in (True, False):
+            fl._use_cublas = (lambda t: True) if cublas else (lambda t: False)
+            m = FP8Linear(256, 128, recipe=recipe)
+            torch.manual_seed(1)
+            torch.nn.init.normal_(m.weight)
+            torch.nn.init.zeros_(m.bias)
+            xr = x.clone().requires_grad_()
+            y = m(xr)
+            y.backward(g)
+            outs.append((y.detach(), xr.grad, m.weight.grad))
+        for p, e in zip(*outs):
+            assert torch.allclose(p, e, rtol=1e-4, atol=1e-4 * e.abs().max())

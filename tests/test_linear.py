@@ -82,7 +82,7 @@ def test_emulated_path_equals_fake_quant_reference():
 def test_wgrad_operands_requantized_from_high_precision():
     x = torch.randn(300, 256) * torch.logspace(-2, 2, 256)
     r = make_recipe("hybrid")
-    rows, cols = _quantize_activation(x, r.output.a, r.grad_weight.b, True, False)
+    rows, cols = _quantize_activation(x, r.output.a, r.grad_weight.b, True, False, (1, 1))
     assert torch.equal(cols.data.view(torch.uint8), quantize(x.t(), (1, 128)).data.view(torch.uint8))
     double = quantize(dequantize(quantize(x, (1, 128))).t(), (1, 128))
     assert not torch.equal(cols.data.view(torch.uint8), double.data.view(torch.uint8))

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch import nn
 
-from .linear import _CONTRACTION_PAD, FP8Linear
+from .linear import FP8Linear, _pad_for
 from .quant import Fp8Tensor, _quantize_2d, dequantize
 from .recipe import Fp8Format, Fp8Recipe
 
@@ -199,9 +199,9 @@ class _Fp8GatheredWeight(torch.Tensor):
             raise RuntimeError(f"FP8 all-gathered weight ({self._fmt.value}, 128x128, pow2_scale={self._pow2}) "
                                f"does not match the layer's recipe {recipe.name.value!r} "
                                f"(weight {cfg.fmt.value} {cfg.block}, pow2_scale={recipe.pow2_scale})")
-        pad = _CONTRACTION_PAD if cublas else 1
-        w = _pad_contraction(self._data, self._scale, pad)
-        w_t = _pad_contraction(self._data.t().contiguous(), self._scale.t().contiguous(), pad)
+        w = _pad_contraction(self._data, self._scale, _pad_for(cublas, recipe.output))
+        w_t = _pad_contraction(self._data.t().contiguous(), self._scale.t().contiguous(),
+                               _pad_for(cublas, recipe.grad_input))
         return Fp8Tensor(*w, _BLOCK, self._fmt), Fp8Tensor(*w_t, _BLOCK, self._fmt)
 
 

@@ -153,7 +153,7 @@ def main(argv=None) -> int:
             if args.out:
                 with open(args.out, "a") as f:
                     f.write(json.dumps({**r, "model": args.model, "layers": args.layers, "compile": args.compile}) + "\n")
-    print(f"\n| seq | variant | step ms | tokens/s | TFLOP/s | MFU (bf16 peak) | peak GiB | speed x bf16 | memory x bf16 |")
+    print("\n| seq | variant | step ms | tokens/s | TFLOP/s | MFU (bf16 peak) | peak GiB | speed x bf16 | memory x bf16 |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
         base = next((b for b in results if b["seq"] == r["seq"] and b["variant"] == "bf16"), None)

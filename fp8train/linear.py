@@ -179,7 +179,6 @@ def _health(x2d: torch.Tensor, q: Fp8Tensor) -> dict:
 class _Fp8LinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, module: "FP8Linear"):
-        recipe = module.recipe
         x2d = x.reshape(-1, x.shape[-1])
         cublas = _use_cublas(x2d)
         dev = x.device.type

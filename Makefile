@@ -4,6 +4,9 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 # The CPU wheel; on a GPU machine use the torch that matches its CUDA: `make TORCH=torch demo`.
 TORCH  ?= torch==2.13.0
+# Triton for the CPU checks of the GPU kernels (interpreter, SM90 compile): beside the venv, not in it,
+# so that the CPU torch never sees it. The version the lent H200 runs.
+TRITON ?= triton==3.6.0
 STAMP  := $(VENV)/.fp8train-installed
 
 .PHONY: install demo test bench clean
@@ -15,6 +18,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH)"
 	$(BIN)/python -m pip install -q -e ".[dev]"
+	if [ "$$(uname -s)-$$(uname -m)" = Linux-x86_64 ]; then \
+		$(BIN)/python -m pip install -q --no-deps --upgrade --target $(VENV)/triton-cpu "$(TRITON)"; fi
 	touch $(STAMP)
 
 demo: $(STAMP)

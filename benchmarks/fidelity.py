@@ -43,13 +43,11 @@ import time
 import traceback
 from dataclasses import dataclass, replace
 from pathlib import Path
-from unittest import mock
 
 import numpy as np
 import torch
 
-import fp8train.linear as fp8_linear
-from fp8train.cli import _keep_freed_memory
+from fp8train.cli import keep_freed_memory
 from fp8train.config import LoopConfig, TrainConfig
 from fp8train.convert import DECODER_PROJECTIONS, convert_to_fp8, summarize_fp8_health
 from fp8train.data import (CptDataConfig, SftDataConfig, build_cpt_datasets, build_sft_datasets, collate,
@@ -209,8 +207,11 @@ def _cpt_data(files, tokens, tokenizer, scale: Scale, work: Path, seed: int, nam
 
 
 def ablation_recipes() -> dict:
-    """Hybrid, and hybrid with one operand quantized more coarsely (what each variant changes)."""
-    h, e4, e5 = make_recipe("hybrid"), Fp8Format.E4M3, Fp8Format.E5M2
+    """Hybrid, and hybrid with one operand quantized more coarsely (what each variant changes). Every
+    variant emulates its GEMMs (`emulate=True`): cuBLAS's blockwise kernels take only 1x128 x 128x128 and
+    1x128 x 1x128 operands, so only the reference GEMMs run them all, and then the variants differ only in
+    their numerics."""
+    h, e4, e5 = replace(make_recipe("hybrid"), emulate=True), Fp8Format.E4M3, Fp8Format.E5M2
     return {
         "hybrid": h,
         "per-tensor weights": replace(h, output=GemmConfig(h.output.a, OperandConfig(e4, None)),
@@ -222,17 +223,24 @@ def ablation_recipes() -> dict:
     }
 
 
+def single_gemm_recipes() -> dict:
+    """Hybrid numerics in one GEMM only, the other two in BF16 (operands `fmt=None`): which GEMM costs what.
+    Probed, not trained."""
+    h, hp = ablation_recipes()["hybrid"], OperandConfig(None, None)
+    bf16 = GemmConfig(hp, hp)
+    return {"FP8 output only": replace(h, grad_input=bf16, grad_weight=bf16),
+            "FP8 grad_input only": replace(h, output=bf16, grad_weight=bf16),
+            "FP8 grad_weight only": replace(h, output=bf16, grad_input=bf16)}
+
+
 @contextlib.contextmanager
-def reference_gemms():
-    """FP8Linear's reference GEMMs (dequantize, then matmul) instead of cuBLAS, whose blockwise kernels take
-    only 1x128 x 128x128 and 1x128 x 1x128 operands (FP8Linear's cuBLAS path pairs only the shipped recipes'
-    granularities). TF32 is exact here: a dequantized FP8 value (at most 4 significant bits, power-of-two
-    scale) is a TF32 number, and TF32 GEMMs accumulate in FP32."""
+def tf32_matmuls():
+    """TF32 for the emulated GEMMs: exact here, since a dequantized FP8 value with a power-of-two scale (at
+    most 4 significant bits) and a BF16 value (8) are TF32 numbers, and TF32 GEMMs accumulate in FP32."""
     prev = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = True
     try:
-        with mock.patch.object(fp8_linear, "_use_cublas", lambda t: False):
-            yield
+        yield
     finally:
         torch.backends.cuda.matmul.allow_tf32 = prev
 
@@ -250,12 +258,12 @@ def _batch(rows: int, seq_len: int, vocab: int, device) -> dict:
     return {k: v.to(device) for k, v in dict(input_ids=ids, labels=ids, position_ids=pos.expand(rows, -1)).items()}
 
 
-def tokens_per_s(base, recipe, scale: Scale, device, emulate: bool = False) -> float:
+def tokens_per_s(base, recipe, scale: Scale, device) -> float:
     """Forward + backward throughput of one micro-batch shape (training steps add little on top)."""
     model = _convert(copy.deepcopy(base).to(device), recipe)
     batch = _batch(scale.micro_batch, scale.seq_len, model.config.vocab_size, device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    with reference_gemms() if emulate else contextlib.nullcontext():
+    with tf32_matmuls() if getattr(recipe, "emulate", False) else contextlib.nullcontext():
         for i in range(5 if device.type == "cuda" else 3):
             if i == 2:
                 sync()
@@ -288,7 +296,7 @@ def gradient_error_probe(base, recipes: dict, batch: dict, device) -> dict:
     ref_loss, ref = run("bf16", autocast=False)
     out = {}
     for name, recipe in {"bf16": "bf16", **recipes}.items():
-        with reference_gemms() if name != "bf16" else contextlib.nullcontext():
+        with tf32_matmuls() if name != "bf16" else contextlib.nullcontext():
             loss, grads = run(recipe, autocast=True)
         err = {k: float((grads[k] - ref[k]).norm() / ref[k].norm()) for k in ref}
         out[name] = {"loss_rel_err": abs(loss - ref_loss) / ref_loss, "grad_rel_err": err,
@@ -299,11 +307,11 @@ def gradient_error_probe(base, recipes: dict, batch: dict, device) -> dict:
 # ------------------------------------------------------------------------------------------- runs
 
 
-def _train(cfg: TrainConfig, model, tokenizer, train, val, emulate: bool = False):
+def _train(cfg: TrainConfig, model, tokenizer, train, val, tf32: bool = False):
     """Run the Trainer; return (summary, trained model)."""
     shutil.rmtree(cfg.run_dir, ignore_errors=True)
     t0 = time.perf_counter()
-    with reference_gemms() if emulate else contextlib.nullcontext():
+    with tf32_matmuls() if tf32 else contextlib.nullcontext():
         trainer = _Trainer(cfg, model=model, tokenizer=tokenizer, train_data=train, val_data=val, progress=False)
         result = trainer.fit()
     model, summary = trainer.model, summarize_run(Path(cfg.run_dir), time.perf_counter() - t0, result.skipped_steps)
@@ -533,8 +541,8 @@ class _Bench:
                              eval_every=max(1, steps // evals), eval_batches=self.scale.eval_batches, keep_last=1,
                              log_every=1, health_every=max(1, steps // 4)))
 
-    def train(self, cfg: TrainConfig, model, train, val, emulate: bool = False):
-        summary, model = _train(cfg, model, self.tokenizer, train, val, emulate)
+    def train(self, cfg: TrainConfig, model, train, val, tf32: bool = False):
+        summary, model = _train(cfg, model, self.tokenizer, train, val, tf32)
         self.runs_left -= 1
         return summary, model
 
@@ -580,10 +588,10 @@ class _Bench:
         hybrid = make_recipe("hybrid")
         self.rates = {"bf16": tokens_per_s(base, "bf16", s, dev), "hybrid": tokens_per_s(base, hybrid, s, dev)}
         if self.args.ablation:
-            self.rates["reference"] = tokens_per_s(base, hybrid, s, dev, emulate=True)
+            self.rates["reference"] = tokens_per_s(base, ablation_recipes()["hybrid"], s, dev)
         avail = self.avail(evals=2) - s.eval_s  # + data preparation, about one eval's time
         pre_s = 0.25 * avail if self.fallback else 0.0
-        weights = {"cpt": 0.55, "sft": 0.20, "ablation": 0.25 if self.args.ablation else 0.0}
+        weights = {"cpt": 0.62, "sft": 0.20, "ablation": 0.18 if self.args.ablation else 0.0}
         cpt_s = (avail - pre_s) * weights["cpt"] / sum(weights.values())
         self.sft_share = weights["sft"] / (weights["sft"] + weights["ablation"])
         tps = self.tokens_per_step
@@ -683,7 +691,7 @@ class _Bench:
         variant; first a one-batch error probe of every recipe against FP32."""
         s, ab, recipes = self.scale, self.res.setdefault("ablation", {}), ablation_recipes()
         batch = collate([self.cpt_val[i] for i in range(min(s.micro_batch, len(self.cpt_val)))])
-        ab["probe"] = gradient_error_probe(self.base, recipes, batch, self.device)
+        ab["probe"] = gradient_error_probe(self.base, {**recipes, **single_gemm_recipes()}, batch, self.device)
         self.save()
         steps = min(_steps(self.avail(evals=0), self.tokens_per_step, [self.rates["bf16"]] + [self.rates["reference"]]
                            * len(recipes), s, 0), self.cpt_steps)
@@ -696,7 +704,7 @@ class _Bench:
             run = "abl_" + ("hybrid_" * (name not in ARMS) + name).lower().replace(" ", "-")
             cfg = self.config("cpt", run, recipe, self.cpt_data, self.wsd(s.cpt_lr), steps, s.cpt_batch, evals=2)
             summary, _ = self.train(cfg, _convert(copy.deepcopy(self.base), recipe), self.cpt_train, self.cpt_val,
-                                    emulate=name != "bf16")
+                                    tf32=True)
             for key in ("train_curve", "val_curve"):  # the plot has them; results.json stays small
                 summary.pop(key)
             summary["val_gap"] = rel_gap(summary["final_val_loss"], ab["runs"].get("bf16", summary)["final_val_loss"])
@@ -734,7 +742,7 @@ def main(argv=None) -> int:
                  "cpus": os.cpu_count()}, "base": {}, "plan": {}, "errors": {}}
     bench = _Bench(args, res, clock)
     if bench.device.type == "cpu":
-        _keep_freed_memory()  # as the `fp8train` command does: without it a CPU step is several times slower
+        keep_freed_memory()  # as the `fp8train` command does: without it a CPU step is several times slower
     bench.out.mkdir(parents=True, exist_ok=True)
     bench.work.mkdir(parents=True, exist_ok=True)
     res["config"]["device_name"] = torch.cuda.get_device_name(bench.device) if bench.device.type == "cuda" else "cpu"

@@ -57,7 +57,7 @@ def fp8_gather_blocker(module: nn.Module, world_size: int) -> str | None:
     if world_size == 1:  # FSDP2 then copies the shard instead of gathering it, and takes only one input
         return "world size 1: nothing to all-gather"
     r = module.recipe
-    if r.output.b.block != _BLOCK or r.grad_input.b != r.output.b:
+    if r.output.b.block != _BLOCK or r.output.b.fmt is None or r.grad_input.b != r.output.b:
         return f"recipe {r.name.value!r} has no 128x128 weight blocks"
     n = module.out_features
     if n % (128 * world_size):

@@ -11,6 +11,17 @@ copy (for grad_input) shares the block scales exactly.
 Scales are written straight into the layouts cuBLAS wants: 1x128 scales "outer-dim major" ([blocks, rows]
 in memory, handed over as the (rows, blocks) transpose view); 128x128 scales row-major [Nb, Kb].
 Padded regions (Kp, Mp: contraction lengths rounded up for cuBLAS) hold zeros with scale 1.
+
+Why the kernels are cheap per element (they must stream at memory speed, ~4 TB/s on an H200):
+- amax and "holds a NaN" come from one integer max over the bit patterns of |x|: those order like the
+  magnitudes, and every NaN pattern lies above +Inf's;
+- with power-of-two scales (the default) quantizing is a multiply by the exact reciprocal 2^-e (made by
+  exponent arithmetic on the 1-D scales), which rounds exactly like the reference's division, and
+  |x * 2^-e| <= fmt.max needs no clamp (the scale is at least amax / fmt.max: a quotient that rounds down
+  onto a power of two is not an FP32 amax / 448 or / 57344). Exact FP32 scales keep the IEEE division and
+  the clamp, as the reference;
+- a BF16 tile stays BF16 in registers (amax on its 16-bit patterns) and is widened only for the multiply:
+  half the registers, so two programs fit on an SM and one's loads overlap the other's arithmetic.
 """
 
 from __future__ import annotations
@@ -20,26 +31,62 @@ import triton
 import triton.language as tl
 
 _TILE = 128
+_NUM_WARPS = 8
 _FP32_TINY = tl.constexpr(1.1754943508222875e-38)
-_FP32_MAX = tl.constexpr(3.4028234663852886e38)
+_INF_BITS = tl.constexpr(0x7F800000)
 
 
 @triton.jit
-def _scale_from_amax(amax, has_nan, FMT_MAX: tl.constexpr, POW2: tl.constexpr):
-    s = tl.div_rn(amax, FMT_MAX)
-    s = tl.where(amax == 0.0, 1.0, s)
+def _abs_bits(x, BF16: tl.constexpr):
+    """|x| as integer bit patterns, in x's own width (a BF16 tile stays 16-bit: half the registers)."""
+    if BF16:
+        bits = (x.to(tl.int16, bitcast=True) & 0x7FFF).to(tl.int16)
+    else:
+        bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    return bits
+
+
+@triton.jit
+def _amax_bits(ax, axis: tl.constexpr, BF16: tl.constexpr):
+    """Max of `_abs_bits` along `axis`, as FP32 bit patterns (BF16 -> FP32 is a 16-bit shift, exact)."""
+    m = tl.max(ax, axis=axis).to(tl.int32)  # (a reduction may widen int16 itself)
+    if BF16:
+        m = m << 16
+    return m
+
+
+@triton.jit
+def _scale_from_amax_bits(amax_bits, FMT_MAX: tl.constexpr, POW2: tl.constexpr):
+    """amax as |x| bit patterns -> FP32 dequantize scale, as `quant.compute_scale` (NaN for a NaN block)."""
+    amax = amax_bits.to(tl.float32, bitcast=True)
+    s = tl.div_rn(amax, FMT_MAX)  # IEEE division, as torch's amax / fmt.max
+    s = tl.where(amax_bits == 0, 1.0, s)
     s = tl.maximum(s, _FP32_TINY)
     if POW2:
         bits = s.to(tl.int32, bitcast=True)
-        exp = bits & 0x7F800000
-        up = exp + tl.where((bits & 0x007FFFFF) != 0, 1 << 23, 0)
-        s = tl.where(s <= _FP32_MAX, up.to(tl.float32, bitcast=True), s)  # finite only
-    zero = s - s
-    return tl.where(has_nan, zero / zero, s)  # NaN built in-kernel: a NaN global never equals itself
+        up = (bits & 0x7F800000) + tl.where((bits & 0x007FFFFF) != 0, 1 << 23, 0)
+        s = tl.where(amax_bits < _INF_BITS, up.to(tl.float32, bitcast=True), s)  # Inf stays Inf
+    return tl.where(amax_bits > _INF_BITS, amax, s)  # amax is that NaN itself (tl.maximum dropped it)
 
 
 @triton.jit
-def _quant(x, s, FMT_MAX: tl.constexpr, OUT_DTYPE: tl.constexpr):
+def _inverse(s, POW2: tl.constexpr):
+    """Per-block multiplier for `_quant`, made on the 1-D scales: 2^-e for a power-of-two scale 2^e
+    (exponent arithmetic, exact: e stays within [-126, 127]), 0 for Inf, NaN for NaN; exact scales divide."""
+    if POW2:
+        bits = s.to(tl.int32, bitcast=True)
+        inv = ((254 << 23) - bits).to(tl.float32, bitcast=True)
+        inv = tl.where(bits == _INF_BITS, 0.0, inv)
+        return tl.where(s != s, s, inv)
+    return s
+
+
+@triton.jit
+def _quant(x, s, inv, FMT_MAX: tl.constexpr, OUT_DTYPE: tl.constexpr, POW2: tl.constexpr):
+    x = x.to(tl.float32)
+    if POW2:
+        # x * 2^-e rounds exactly as x / 2^e; Inf scale -> 0 (Inf/NaN elements -> NaN), NaN -> NaN
+        return (x * inv).to(OUT_DTYPE)
     q = tl.div_rn(x, s)  # IEEE-rounded, as torch's x / scale (plain `/` is approximate)
     clipped = tl.minimum(tl.maximum(q, -FMT_MAX), FMT_MAX)
     return tl.where(q != q, q, clipped).to(OUT_DTYPE)  # NaN stays NaN, as torch.clamp keeps it
@@ -52,7 +99,7 @@ def _act_kernel(
     qc_ptr, sc_ptr, Mp,        # cols copy [K, Mp], scales [Mp/128, K]
     ROW_MAX: tl.constexpr, ROW_DTYPE: tl.constexpr,
     COL_MAX: tl.constexpr, COL_DTYPE: tl.constexpr,
-    POW2: tl.constexpr, BLOCK: tl.constexpr,
+    POW2: tl.constexpr, COLS: tl.constexpr, BF16: tl.constexpr, BLOCK: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -61,24 +108,25 @@ def _act_kernel(
     in_m = offs_m < M
     in_k = offs_k < K
     x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-                mask=in_m[:, None] & in_k[None, :], other=0.0).to(tl.float32)
-    ax = tl.abs(x)
-    isnan = (x != x).to(tl.int32)
+                mask=in_m[:, None] & in_k[None, :], other=0.0)  # BF16 stays BF16 until the multiply
+    if not BF16:
+        x = x.to(tl.float32)
+    # both amaxes first, so that the |x| bit patterns die before the quantized copies are made
+    ax = _abs_bits(x, BF16)
+    s_r = _scale_from_amax_bits(_amax_bits(ax, 1, BF16), ROW_MAX, POW2)  # one per (token, 128 features)
+    if COLS:
+        s_c = _scale_from_amax_bits(_amax_bits(ax, 0, BF16), COL_MAX, POW2)  # one per (feature, 128 tokens)
 
-    # rows copy: one scale per (token, 128 features)
-    s_r = _scale_from_amax(tl.max(ax, axis=1), tl.max(isnan, axis=1) > 0, ROW_MAX, POW2)
-    q_r = _quant(x, s_r[:, None], ROW_MAX, ROW_DTYPE)
+    q_r = _quant(x, s_r[:, None], _inverse(s_r, POW2)[:, None], ROW_MAX, ROW_DTYPE, POW2)
     tl.store(qr_ptr + offs_m[:, None] * Kp + offs_k[None, :], q_r,
              mask=in_m[:, None] & (offs_k < Kp)[None, :])
     tl.store(sr_ptr + pid_k * M + offs_m, s_r, mask=in_m & (pid_k * BLOCK < Kp))
 
-    # cols copy: one scale per (feature, 128 tokens), stored transposed [K, Mp]
-    s_c = _scale_from_amax(tl.max(ax, axis=0), tl.max(isnan, axis=0) > 0, COL_MAX, POW2)
-    q_c = _quant(x, s_c[None, :], COL_MAX, COL_DTYPE)
-    # transpose in registers/shared memory first, so each thread stores bytes contiguous along tokens
-    tl.store(qc_ptr + offs_k[:, None] * Mp + offs_m[None, :], tl.trans(q_c),
-             mask=in_k[:, None] & (offs_m < Mp)[None, :])
-    tl.store(sc_ptr + pid_m * K + offs_k, s_c, mask=in_k & (pid_m * BLOCK < Mp))
+    if COLS:  # the cols copy is stored transposed, [K, Mp]
+        q_c = _quant(x, s_c[None, :], _inverse(s_c, POW2)[None, :], COL_MAX, COL_DTYPE, POW2)
+        tl.store(qc_ptr + offs_k[:, None] * Mp + offs_m[None, :], tl.trans(q_c),
+                 mask=in_k[:, None] & (offs_m < Mp)[None, :])
+        tl.store(sc_ptr + pid_m * K + offs_k, s_c, mask=in_k & (pid_m * BLOCK < Mp))
 
 
 @triton.jit
@@ -87,7 +135,7 @@ def _weight_kernel(
     q_ptr, Kp,                 # [N, Kp]
     qt_ptr, Np,                # [K, Np]
     s_ptr, KB,                 # [ceil(N/128), Kp/128]
-    FMT_MAX: tl.constexpr, DTYPE: tl.constexpr, POW2: tl.constexpr, BLOCK: tl.constexpr,
+    FMT_MAX: tl.constexpr, DTYPE: tl.constexpr, POW2: tl.constexpr, BF16: tl.constexpr, BLOCK: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -96,11 +144,11 @@ def _weight_kernel(
     in_n = offs_n < N
     in_k = offs_k < K
     w = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :],
-                mask=in_n[:, None] & in_k[None, :], other=0.0).to(tl.float32)
-    amax = tl.max(tl.max(tl.abs(w), axis=1), axis=0)
-    has_nan = tl.max(tl.max((w != w).to(tl.int32), axis=1), axis=0) > 0
-    s = _scale_from_amax(amax, has_nan, FMT_MAX, POW2)
-    q = _quant(w, s, FMT_MAX, DTYPE)
+                mask=in_n[:, None] & in_k[None, :], other=0.0)
+    if not BF16:
+        w = w.to(tl.float32)
+    s = _scale_from_amax_bits(tl.max(_amax_bits(_abs_bits(w, BF16), 1, BF16), axis=0), FMT_MAX, POW2)
+    q = _quant(w, s, _inverse(s, POW2), FMT_MAX, DTYPE, POW2)
     tl.store(q_ptr + offs_n[:, None] * Kp + offs_k[None, :], q, mask=in_n[:, None] & (offs_k < Kp)[None, :])
     tl.store(qt_ptr + offs_k[:, None] * Np + offs_n[None, :], tl.trans(q), mask=in_k[:, None] & (offs_n < Np)[None, :])
     if pid_n * BLOCK < N:
@@ -111,26 +159,34 @@ def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
-def quantize_tiles_and_transpose(x2d, row_fmt, col_fmt, pow2: bool, pad: int):
+def quantize_tiles_and_transpose(x2d, row_fmt, col_fmt, pow2: bool, pad: int, cols: bool = True,
+                                 num_warps: int = _NUM_WARPS):
     """x2d [M, K] -> (rows data [M, Kp], rows scale view (M, Kp/128) with strides (1, M),
-    cols data [K, Mp], cols scale view (K, Mp/128) with strides (1, K)); Kp, Mp = round_up(., pad)."""
+    cols data [K, Mp], cols scale view (K, Mp/128) with strides (1, K)); Kp, Mp = round_up(., pad).
+    `cols=False` skips the transposed copy (no backward will need it) and returns None for it."""
     M, K = x2d.shape
     Kp, Mp = _round_up(K, pad), _round_up(M, pad)
     dev = x2d.device
     qr = torch.empty(M, Kp, dtype=row_fmt.dtype, device=dev)
     sr = torch.empty(Kp // _TILE, M, dtype=torch.float32, device=dev)
-    qc = torch.empty(K, Mp, dtype=col_fmt.dtype, device=dev)
-    sc = torch.empty(Mp // _TILE, K, dtype=torch.float32, device=dev)
-    grid = (max(Mp, M) // _TILE + (max(Mp, M) % _TILE > 0), max(Kp, K) // _TILE + (max(Kp, K) % _TILE > 0))
+    if cols:
+        qc = torch.empty(K, Mp, dtype=col_fmt.dtype, device=dev)
+        sc = torch.empty(Mp // _TILE, K, dtype=torch.float32, device=dev)
+        m_tiles = -(-max(Mp, M) // _TILE)
+    else:  # dummies: the kernel compiles the cols store out
+        qc, sc, m_tiles = qr, sr, -(-M // _TILE)
+    grid = (m_tiles, -(-max(Kp, K) // _TILE))
     _act_kernel[grid](
         x2d, M, K, x2d.stride(0), qr, sr, Kp, qc, sc, Mp,
         ROW_MAX=row_fmt.max, ROW_DTYPE=_tl_dtype(row_fmt.dtype), COL_MAX=col_fmt.max, COL_DTYPE=_tl_dtype(col_fmt.dtype),
-        POW2=pow2, BLOCK=_TILE, num_warps=8,
+        POW2=pow2, COLS=cols, BF16=x2d.dtype == torch.bfloat16, BLOCK=_TILE, num_warps=num_warps,
     )
+    if not cols:
+        return qr, sr.t(), None, None
     return qr, sr.t(), qc, sc.t()
 
 
-def quantize_blocks_and_transpose(w, fmt, pow2: bool, pad: int):
+def quantize_blocks_and_transpose(w, fmt, pow2: bool, pad: int, num_warps: int = _NUM_WARPS):
     """w [N, K] -> (data [N, Kp], data.T [K, Np], scale [ceil(N/128), Kp/128] row-major)."""
     N, K = w.shape
     Kp, Np = _round_up(K, pad), _round_up(N, pad)
@@ -141,7 +197,8 @@ def quantize_blocks_and_transpose(w, fmt, pow2: bool, pad: int):
     s = torch.empty(-(-N // _TILE), KB, dtype=torch.float32, device=dev)
     _weight_kernel[(NB, max(KB, -(-K // _TILE)))](
         w, N, K, w.stride(0), q, Kp, qt, Np, s, KB,
-        FMT_MAX=fmt.max, DTYPE=_tl_dtype(fmt.dtype), POW2=pow2, BLOCK=_TILE, num_warps=8,
+        FMT_MAX=fmt.max, DTYPE=_tl_dtype(fmt.dtype), POW2=pow2, BF16=w.dtype == torch.bfloat16, BLOCK=_TILE,
+        num_warps=num_warps,
     )
     return q, qt, s
 

@@ -193,7 +193,9 @@ def _tied_names(model: nn.Module) -> dict[str, list[str]]:
     return {name: [n for n in names if n != name] for names in by_tensor.values() for name in names}
 
 
-def _load_model_weights(model: nn.Module, model_dir: Path) -> None:
+def read_model_weights(model: nn.Module, model_dir: Path) -> dict[str, torch.Tensor]:
+    """The safetensors weights of `model_dir` as a full state dict of `model`, tied aliases filled in;
+    an error names every key that does not match the model."""
     index = model_dir / "model.safetensors.index.json"
     files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() \
         else ["model.safetensors"]
@@ -211,7 +213,14 @@ def _load_model_weights(model: nn.Module, model_dir: Path) -> None:
             if key in state and alias in state and not torch.equal(state[key], state[alias]):
                 raise RuntimeError(f"weights in {model_dir} hold different values for {key!r} and {alias!r}, "
                                    "which are tied in the model")
-    model.load_state_dict(state, strict=False)  # keys checked above; tied aliases are filled by sharing
+    for key, aliases in tied.items():
+        if key not in state:
+            state[key] = next(state[a] for a in aliases if a in state)
+    return state
+
+
+def _load_model_weights(model: nn.Module, model_dir: Path) -> None:
+    model.load_state_dict(read_model_weights(model, model_dir))
 
 
 # ------------------------------------------------------------------------------------------ checkpoints

@@ -1,9 +1,10 @@
-"""The `fp8train` command: train | plot | demo | export | eval.
+"""The `fp8train` command: train | plot | demo | export | eval | bench.
 
     fp8train train configs/tiny_cpt.yaml optim.lr=3e-4 recipe=bf16
     fp8train train --help-config
     fp8train plot runs/fp8 runs/bf16 -o loss.png
     fp8train demo
+    fp8train bench --models qwen2.5-1.5b --seq 8192      # BF16 vs FP8 vs torchao on this GPU
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import argparse
 import logging
 import sys
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "keep_freed_memory"]
 
 # Errors of the user's making: print the message, not a traceback (--traceback shows it anyway).
 _USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, FileExistsError)
@@ -60,6 +61,12 @@ def _run_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_bench(args: argparse.Namespace) -> int:
+    from .bench import main as bench_main
+
+    return bench_main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fp8train", description="End-to-end FP8 training (CPT and SFT) of "
                                      "Hugging Face causal LMs with the InfiR2 hybrid-granularity recipe.")
@@ -93,6 +100,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch threads on a CPU (default 1, fastest on a busy machine; 0 = torch's default)")
     p.set_defaults(func=_run_demo)
 
+    from .bench import build_parser as build_bench_parser
+
+    p = sub.add_parser("bench", help="time the training step: BF16 vs the FP8 recipes vs torchao, on this GPU",
+                       description="End-to-end training-step benchmark (the table of docs/benchmarks.md): every "
+                       "variant runs the trainer's own step on the same data, BF16 first, ratios to it.")
+    build_bench_parser(p).set_defaults(func=_run_bench)
+
     from .eval import add_cli as add_eval_cli
     from .export import add_cli as add_export_cli
 
@@ -101,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _keep_freed_memory() -> None:
+def keep_freed_memory() -> None:
     """Ask glibc to serve large blocks from the heap and never trim it.
 
     A training step frees and re-allocates the same large activation buffers (on the CPU the
@@ -131,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if extra:
         args.args = list(args.args) + extra
-    _keep_freed_memory()
+    keep_freed_memory()
     if args.command in ("train", "demo"):
         from transformers.utils import logging as hf_logging
 

@@ -38,7 +38,8 @@ from . import _fsdp_fp8
 from .checkpoint import _fsync_dir
 
 __all__ = ["DistributedConfig", "FsdpReport", "ParallelInfo", "all_reduce_sum", "apply_fsdp", "barrier", "destroy",
-           "gather_full_state_dict", "init_distributed", "is_sharded_checkpoint", "load_sharded", "save_sharded"]
+           "gather_full_state_dict", "init_distributed", "is_sharded_checkpoint", "load_sharded",
+           "load_single_process_checkpoint", "save_sharded"]
 
 MANIFEST = "manifest.json"  # the completion marker, written last (the name single-process checkpoints use too)
 _FORMAT = "fp8train-sharded-checkpoint"
@@ -56,6 +57,8 @@ class DistributedConfig:
     """Free each layer's gathered weights after its forward, gather again for backward (less memory, more traffic)."""
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     """Process-group backend: `auto` = nccl when CUDA is available, else gloo."""
+    fsdp: Literal["auto", "always"] = "auto"
+    """`auto`: FSDP2 when torchrun starts more than one process; `always`: also at world size 1 (torchrun --nproc-per-node 1), e.g. to check the sharded path and its checkpoints on one GPU."""
 
 
 @dataclass(frozen=True)
@@ -385,6 +388,54 @@ def load_sharded(path: str | os.PathLike, model: nn.Module, optimizer: torch.opt
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, state["optimizer"])
     return torch.load(path / _EXTRA, map_location="cpu", weights_only=True)
+
+
+def load_single_process_checkpoint(path: str | os.PathLike, model: nn.Module,
+                                   optimizer: torch.optim.Optimizer | None = None) -> dict:
+    """Resume a sharded model from a single-process checkpoint (`fp8train.checkpoint` layout): every rank
+    reads the full FP32 weights and optimizer state, and DCP's state-dict API keeps each rank's shard.
+    Returns the saved train_state with the scheduler state under "scheduler". The per-process RNG states
+    of the single process are not restored (the data order lives in the sampler state, which is)."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
+    from .checkpoint import read_model_weights, verify_checkpoint
+
+    path = Path(path)
+    state = {}
+
+    def prepare():
+        verify_checkpoint(path)
+        state["model"] = read_model_weights(model, path / "model")
+        state["train"] = torch.load(path / "train_state.pt", map_location="cpu", weights_only=True)
+        if optimizer is not None:
+            state["optimizer"] = _named_optimizer_state(
+                model, optimizer, torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True), path)
+
+    _all_ok(prepare, f"reading checkpoint {path}")
+    full = StateDictOptions(full_state_dict=True)  # full tensors on every rank in, this rank's shards kept
+    set_model_state_dict(model, state["model"], options=full)
+    if optimizer is not None:
+        set_optimizer_state_dict(model, optimizer, state["optimizer"], options=full)
+    return {**state["train"]["train_state"], "scheduler": state["train"]["scheduler"]}
+
+
+def _named_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, saved: dict, path: Path) -> dict:
+    """A plain optimizer.state_dict() (parameters numbered in param-group order) keyed by parameter name,
+    the form DCP's full optimizer state dicts take. The optimizer must be built the same way (same groups)."""
+    owner = _tied_owners(model)
+    names_by_id = {}
+    for name, p in model.named_parameters():
+        names_by_id.setdefault(id(p), owner.get(name, name))
+    groups = [[names_by_id[id(p)] for p in g["params"]] for g in optimizer.param_groups]
+    saved_groups = saved.get("param_groups", [])
+    if [len(g["params"]) for g in saved_groups] != [len(g) for g in groups]:
+        raise ValueError(f"{path / 'optimizer.pt'}: its parameter groups "
+                         f"{[len(g['params']) for g in saved_groups]} do not match this model's optimizer "
+                         f"{[len(g) for g in groups]}")
+    name_of = {i: n for sg, g in zip(saved_groups, groups) for i, n in zip(sg["params"], g)}
+    return {"state": {name_of[i]: v for i, v in saved["state"].items()},
+            "param_groups": [{**sg, "params": g} for sg, g in zip(saved_groups, groups)]}
 
 
 def gather_full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -52,12 +52,15 @@ def _use_cublas(t: torch.Tensor) -> bool:
 
 
 def _is_tile(cfg: OperandConfig) -> bool:
-    return cfg.block is not None and cfg.block[0] == 1 and cfg.block[1] == 128
+    return cfg.fmt is not None and cfg.block is not None and cfg.block[0] == 1 and cfg.block[1] == 128
 
 
 def _quantize(x2d: torch.Tensor, cfg: OperandConfig, pow2: bool, pad: int) -> Fp8Tensor:
     """Reference quantization of a 2-D operand; pads the contraction (last) dim to `pad` for cuBLAS
-    with zero data (scale 1 for added 128-tiles; whole-row and per-tensor scales are unchanged)."""
+    with zero data (scale 1 for added 128-tiles; whole-row and per-tensor scales are unchanged).
+    A high-precision operand (fmt None) is its BF16 value with scale 1 (GEMMs with it are emulated)."""
+    if cfg.fmt is None:
+        return Fp8Tensor(x2d.to(torch.bfloat16).contiguous(), torch.ones((), device=x2d.device), None, None)
     C = x2d.shape[1]
     block = _resolve_block(cfg.block, tuple(x2d.shape))
     data, scale = _quantize_2d(x2d, block, cfg.fmt, pow2)
@@ -76,20 +79,26 @@ def _pad_for(cublas: bool, gemm: GemmConfig) -> int:
     four 128-blocks), 16 (FP8 alignment) otherwise, none when emulated. Both operands get the same."""
     if not cublas:
         return 1
+    if gemm.a.fmt is None or gemm.b.fmt is None:
+        return 1  # emulated
     blockwise = all(c.block is not None and c.block[1] == 128 for c in (gemm.a, gemm.b))
     return _CONTRACTION_PAD if blockwise else 16
 
 
 def _quantize_activation(x2d, rows_cfg: OperandConfig, cols_cfg: OperandConfig, pow2: bool, cublas: bool,
-                         pads: tuple[int, int]):
+                         pads: tuple[int, int], cols: bool = True):
     """FP8 copies of an activation x [M, K]: rows (blocks of x) and cols (blocks of x.T), each padded
-    along its contraction dim for the GEMM it feeds (`pads`)."""
+    along its contraction dim for the GEMM it feeds (`pads`). `cols=False`: no grad_weight will need
+    the transposed copy (inference, frozen weights); it is not made and comes back as None."""
     rows_pad, cols_pad = pads
     if (cublas and _triton_quant is not None and _is_tile(rows_cfg) and _is_tile(cols_cfg)
             and rows_pad == cols_pad == _CONTRACTION_PAD):
-        qr, sr, qc, sc = _triton_quant.quantize_tiles_and_transpose(x2d, rows_cfg.fmt, cols_cfg.fmt, pow2, rows_pad)
-        return Fp8Tensor(qr, sr, (1, 128), rows_cfg.fmt), Fp8Tensor(qc, sc, (1, 128), cols_cfg.fmt)
+        qr, sr, qc, sc = _triton_quant.quantize_tiles_and_transpose(x2d, rows_cfg.fmt, cols_cfg.fmt, pow2, rows_pad,
+                                                                    cols=cols)
+        return Fp8Tensor(qr, sr, (1, 128), rows_cfg.fmt), Fp8Tensor(qc, sc, (1, 128), cols_cfg.fmt) if cols else None
     rows = _quantize(x2d, rows_cfg, pow2, rows_pad)
+    if not cols:
+        return rows, None
     if rows_cfg == cols_cfg and rows_cfg.block is None and rows_pad == cols_pad == 1:  # per-tensor: transpose-exact
         return rows, Fp8Tensor(rows.data.t().contiguous(), rows.scale, None, rows.fmt)
     return rows, _quantize(x2d.t(), cols_cfg, pow2, cols_pad)
@@ -99,7 +108,7 @@ def _quantize_weight(w: torch.Tensor, recipe: Fp8Recipe, cublas: bool):
     """FP8 copies of the weight: W [N, K] for `output` and W.T [K, N] for `grad_input`."""
     cfg, cfg_t = recipe.output.b, recipe.grad_input.b
     pad, pad_t = _pad_for(cublas, recipe.output), _pad_for(cublas, recipe.grad_input)
-    if (cublas and _triton_quant is not None and cfg.block == (128, 128) and cfg_t == cfg
+    if (cublas and _triton_quant is not None and cfg.fmt is not None and cfg.block == (128, 128) and cfg_t == cfg
             and pad == pad_t == _CONTRACTION_PAD):
         q, qt, s = _triton_quant.quantize_blocks_and_transpose(w, cfg.fmt, recipe.pow2_scale, pad)
         kb = -(-w.shape[1] // 128)
@@ -131,6 +140,8 @@ def _kind(q: Fp8Tensor) -> str:
 def _cublas_pair(a: Fp8Tensor, b: Fp8Tensor) -> bool:
     """Scaling pairs cuBLAS runs: per-tensor x per-tensor (not E5M2 x E5M2), row x row, and the E4M3
     blockwise pairs 1x128 x 128x128 and 1x128 x 1x128. Anything else (custom recipes) is emulated."""
+    if a.fmt is None or b.fmt is None:  # a high-precision operand
+        return False
     pair = (_kind(a), _kind(b))
     e4m3 = a.data.dtype == b.data.dtype == torch.float8_e4m3fn
     if pair == ("tensor", "tensor"):
@@ -163,6 +174,8 @@ def _fp8_mm(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype, cublas: bool) ->
 def _health(x2d: torch.Tensor, q: Fp8Tensor) -> dict:
     """Fraction of non-zero values flushed to zero, fraction at the top of the FP8 range, scale range."""
     rows, cols = x2d.shape
+    if q.fmt is None:  # not quantized
+        return {"underflow": 0.0, "saturation": 0.0, "scale_min": 1.0, "scale_max": 1.0}
     data = q.data[:rows, :cols].float()
     nonzero = x2d != 0
     n = max(int(nonzero.sum()), 1)
@@ -178,12 +191,14 @@ def _health(x2d: torch.Tensor, q: Fp8Tensor) -> dict:
 
 class _Fp8LinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, module: "FP8Linear"):
+    def forward(ctx, x, weight, bias, module: "FP8Linear", grad_weight: bool):
+        # grad_weight: whether a backward will compute dW, decided by the caller (grad mode is off here);
+        # without it the FP8 input.T is neither made nor saved
         x2d = x.reshape(-1, x.shape[-1])
-        cublas = _use_cublas(x2d)
+        cublas = _use_cublas(x2d) and not module.recipe.emulate
         dev = x.device.type
         out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
-        x_a, x_t = module._quantize_input(x, x2d, cublas)
+        x_a, x_t = module._quantize_input(x, x2d, cublas, grad_weight)
         w_out, w_gi = module._quantize_weight(weight, cublas)
         y = _fp8_mm(x_a, w_out, out_dtype, cublas)
         if bias is not None:
@@ -192,8 +207,12 @@ class _Fp8LinearFn(torch.autograd.Function):
             module._health["input"] = _health(x2d, x_a)
             module._health["weight"] = _health(weight, w_out)
         # save_for_backward (not ctx attributes) so activation checkpointing can drop and recompute them
-        ctx.save_for_backward(x_t.data, x_t.scale, w_gi.data, w_gi.scale)
-        ctx.meta = (x_t.block, x_t.fmt, w_gi.block, w_gi.fmt)
+        if x_t is None:
+            ctx.save_for_backward(w_gi.data, w_gi.scale)
+            ctx.meta = (w_gi.block, w_gi.fmt)
+        else:
+            ctx.save_for_backward(w_gi.data, w_gi.scale, x_t.data, x_t.scale)
+            ctx.meta = (w_gi.block, w_gi.fmt, x_t.block, x_t.fmt)
         ctx.module, ctx.cublas, ctx.x_dtype, ctx.x_shape = module, cublas, x.dtype, x.shape
         ctx.has_bias = bias is not None
         return y.view(*x.shape[:-1], y.shape[-1])
@@ -201,22 +220,24 @@ class _Fp8LinearFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         module, recipe = ctx.module, ctx.module.recipe
-        xd, xs, wd, ws = ctx.saved_tensors
-        x_t, w_gi = Fp8Tensor(xd, xs, *ctx.meta[:2]), Fp8Tensor(wd, ws, *ctx.meta[2:])
+        saved = ctx.saved_tensors
+        w_gi = Fp8Tensor(saved[0], saved[1], *ctx.meta[:2])
+        x_t = Fp8Tensor(saved[2], saved[3], *ctx.meta[2:]) if len(saved) == 4 else None
         dy2d = dy.reshape(-1, dy.shape[-1])
         pads = (_pad_for(ctx.cublas, recipe.grad_input), _pad_for(ctx.cublas, recipe.grad_weight))
+        want_dw = ctx.needs_input_grad[1] and x_t is not None
         g_a, g_t = _quantize_activation(dy2d, recipe.grad_input.a, recipe.grad_weight.a, recipe.pow2_scale,
-                                        ctx.cublas, pads)
+                                        ctx.cublas, pads, cols=want_dw)
         if module._health is not None:
             module._health["grad_output"] = _health(dy2d, g_a)
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
             dx = _fp8_mm(g_a, w_gi, ctx.x_dtype, ctx.cublas).view(ctx.x_shape)
-        if ctx.needs_input_grad[1]:
+        if want_dw:
             dw = _fp8_mm(g_t, x_t, torch.float32, ctx.cublas).to(module.weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2d.float().sum(0).to(module.bias.dtype)
-        return dx, dw, db, None
+        return dx, dw, db, None, None
 
 
 class FP8Linear(nn.Linear):
@@ -259,16 +280,16 @@ class FP8Linear(nn.Linear):
             self._weight_cache = (key, *_quantize_weight(weight.detach(), self.recipe, cublas))
         return self._weight_cache[1:]
 
-    def _quantize_input(self, x: torch.Tensor, x2d: torch.Tensor, cublas: bool):
+    def _quantize_input(self, x: torch.Tensor, x2d: torch.Tensor, cublas: bool, cols: bool):
         """Siblings reading the same tensor (q/k/v, gate/up) share one quantization via `_input_cache`."""
         r = self.recipe
         key = (x._version, r.output, r.grad_weight, r.pow2_scale, cublas)  # siblings may differ in recipe
         cache = self._input_cache
         hit = cache.get(x) if cache is not None else None
-        if hit is not None and hit[0] == key:
+        if hit is not None and hit[0] == key and (hit[1][1] is not None or not cols):
             return hit[1]
         pads = (_pad_for(cublas, r.output), _pad_for(cublas, r.grad_weight))
-        pair = _quantize_activation(x2d.detach(), r.output.a, r.grad_weight.b, r.pow2_scale, cublas, pads)
+        pair = _quantize_activation(x2d.detach(), r.output.a, r.grad_weight.b, r.pow2_scale, cublas, pads, cols)
         if cache is not None:
             cache[x] = (key, pair)
         return pair
@@ -280,14 +301,15 @@ class FP8Linear(nn.Linear):
             raise ValueError(f"FP8Linear: expected a floating-point input, got {x.dtype}")
         if x.dim() == 0 or x.shape[-1] != self.in_features:
             raise ValueError(f"FP8Linear: input's last dim must be in_features={self.in_features}, got shape {tuple(x.shape)}")
+        grad_weight = torch.is_grad_enabled() and self.weight.requires_grad
         if torch.compiler.is_compiling():  # graph-break around the FP8 GEMMs (eager: skip the wrapper's cost)
-            return _fp8_linear_eager(x, self.weight, self.bias, self)
-        return _Fp8LinearFn.apply(x, self.weight, self.bias, self)
+            return _fp8_linear_eager(x, self.weight, self.bias, self, grad_weight)
+        return _Fp8LinearFn.apply(x, self.weight, self.bias, self, grad_weight)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe.name.value}, pow2_scale={self.recipe.pow2_scale}"
 
 
 @torch.compiler.disable  # quantization caches and custom kernels run eagerly; the rest of the model compiles
-def _fp8_linear_eager(x, weight, bias, module):
-    return _Fp8LinearFn.apply(x, weight, bias, module)
+def _fp8_linear_eager(x, weight, bias, module, grad_weight):
+    return _Fp8LinearFn.apply(x, weight, bias, module, grad_weight)

@@ -12,7 +12,10 @@ per 128 contraction elements, (128, 128) a square block, (1, -1) a whole row (ro
 one scale for the whole tensor. Because every block is given in operand layout, the token-dim tiles of
 the recipe's Wgrad are simply (1, 128) blocks of the transposed operands.
 
-One frozen `Fp8Recipe` is made from a name; nothing else in the package decides numerics.
+One frozen `Fp8Recipe` is made from a name; nothing else in the package decides numerics. Custom recipes
+(ablations) are `dataclasses.replace`s of a named one: an operand may get another format or block, or
+`fmt=None` to stay in high precision (BF16 under autocast), and `emulate=True` runs every GEMM as
+dequantize + FP32 matmul even where cuBLAS could, so that variants differ only in their numerics.
 """
 
 from __future__ import annotations
@@ -65,7 +68,8 @@ class RecipeName(enum.Enum):
 
 @dataclass(frozen=True)
 class OperandConfig:
-    fmt: Fp8Format
+    fmt: Fp8Format | None
+    """None: not quantized (the operand's BF16 value; block is then ignored)."""
     block: Block
 
 
@@ -81,6 +85,8 @@ class Fp8Recipe:
 
     pow2_scale: round each scale up to a power of two, so that scaling is exact in binary (the default,
     as in the paper); False keeps the exact FP32 value amax / fmt.max.
+    emulate: run the GEMMs as dequantize + FP32 matmul on every device (same numbers as cuBLAS up to FP32
+    summation order; for ablations and debugging, much slower).
     """
 
     name: RecipeName
@@ -88,6 +94,7 @@ class Fp8Recipe:
     grad_input: GemmConfig | None
     grad_weight: GemmConfig | None
     pow2_scale: bool = True
+    emulate: bool = False
 
     @property
     def enabled(self) -> bool:

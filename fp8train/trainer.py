@@ -58,6 +58,11 @@ class World:
     def is_main(self) -> bool:
         return self.rank == 0
 
+    @property
+    def sharded(self) -> bool:
+        """FSDP2 shards the model (any world size, 1 included): sharded checkpoints, gathered export."""
+        return self.shard is not None
+
 
 @dataclass
 class TrainResult:
@@ -168,14 +173,12 @@ class Trainer:
         path = find_latest_checkpoint(self.ckpt_root) if mode.lower() == "auto" else Path(mode)
         if path is None:
             return
-        from .distributed import is_sharded_checkpoint, load_sharded
+        from .distributed import is_sharded_checkpoint, load_sharded, load_single_process_checkpoint
 
-        if is_sharded_checkpoint(path):  # written by a torchrun run, at any world size
-            state = load_sharded(path, self.model, self.optimizer)
+        if is_sharded_checkpoint(path) or self.world.sharded:  # any checkpoint resumes at any world size
+            load = load_sharded if is_sharded_checkpoint(path) else load_single_process_checkpoint
+            state = load(path, self.model, self.optimizer)
             self.scheduler.load_state_dict(state["scheduler"])
-        elif self.world.world_size > 1:
-            raise ValueError(f"{path} is a single-process checkpoint; resume it with one process (its sharded "
-                             "checkpoints then resume at any world size)")
         else:
             state = load_checkpoint(path, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler)
         self.sampler.load_state_dict(state["sampler"])
@@ -277,7 +280,7 @@ class Trainer:
     def save(self) -> Path | None:
         state = {"step": self.step, "sampler": self.sampler.state_dict(), "skipped_steps": self.skipped_steps,
                  "nonfinite_in_a_row": self._nonfinite_in_a_row, "tokens_seen": self.tokens_seen}
-        if self.world.world_size > 1:  # every rank writes its shards (DCP), resumable at any world size
+        if self.world.sharded:  # every rank writes its shards (DCP), resumable at any world size
             from .distributed import save_sharded
 
             return save_sharded(self.ckpt_root / f"step_{self.step:08d}", self.model, self.optimizer,
@@ -325,7 +328,7 @@ class Trainer:
     def _export_final(self) -> Path | None:
         """The Hugging Face export of the final model (rank 0 gathers a sharded model first)."""
         out = self.run_dir / "final"
-        if self.world.world_size == 1:
+        if not self.world.sharded:
             return export_hf(self.model, out, self.tokenizer, overwrite=True)
         from .distributed import barrier, gather_full_state_dict
 
@@ -388,8 +391,11 @@ def train(cfg: TrainConfig, **kwargs) -> TrainResult:
     from . import distributed as dist
 
     info = dist.init_distributed(cfg.distributed)
-    if info.world_size == 1:
+    if info.world_size == 1 and cfg.distributed.fsdp == "auto":
         return Trainer(cfg, **kwargs).fit()
+    if not torch.distributed.is_initialized():
+        raise ValueError("config key 'distributed.fsdp' is 'always' but there is no process group: launch with "
+                         "torchrun (torchrun --nproc-per-node 1 -m fp8train.cli train ...)")
 
     def shard(model: nn.Module) -> None:
         report = dist.apply_fsdp(model, cfg.distributed, info)

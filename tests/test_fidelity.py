@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -142,7 +143,7 @@ def test_run_summary_and_health_of_the_fp8_run(runs):
 
 def test_ablation_recipes_change_one_operand_each():
     h, recipes = make_recipe("hybrid"), fidelity.ablation_recipes()
-    assert recipes["hybrid"] == h
+    assert all(r.emulate for r in recipes.values()) and replace(recipes["hybrid"], emulate=False) == h
 
     def operands(r):
         return {(g, side): getattr(getattr(r, g), side) for g in ("output", "grad_input", "grad_weight")
@@ -155,32 +156,38 @@ def test_ablation_recipes_change_one_operand_each():
     assert changed["per-tensor weights"] == {("output", "b"): per_tensor, ("grad_input", "b"): per_tensor}
     assert changed["per-tensor activations"] == {("output", "a"): per_tensor, ("grad_weight", "b"): per_tensor}
     assert changed["E5M2 gradients"] == {("grad_input", "a"): e5_tiles, ("grad_weight", "a"): e5_tiles}
+    single = fidelity.single_gemm_recipes()
+    for name, gemm in (("FP8 output only", "output"), ("FP8 grad_input only", "grad_input"),
+                       ("FP8 grad_weight only", "grad_weight")):
+        for g in ("output", "grad_input", "grad_weight"):
+            kept = getattr(single[name], g)
+            assert (kept == getattr(h, g)) if g == gemm else (kept.a.fmt is None and kept.b.fmt is None)
 
 
-def test_reference_gemms_restore_state_and_run_any_recipe():
-    import fp8train.linear as fp8_linear
-
-    before, tf32 = fp8_linear._use_cublas, torch.backends.cuda.matmul.allow_tf32
+def test_ablation_recipes_run_and_tf32_is_restored():
+    tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.manual_seed(0)
     lin = torch.nn.Sequential(torch.nn.Linear(256, 128))
     x = torch.randn(32, 256) * 2.0 ** torch.arange(-8, 8).repeat(2)[:, None]  # rows of 16 magnitudes
     ref = lin(x)
     outs = {}
-    for name, recipe in fidelity.ablation_recipes().items():
+    for name, recipe in {**fidelity.ablation_recipes(), **fidelity.single_gemm_recipes()}.items():
         model = torch.nn.Sequential(torch.nn.Linear(256, 128))
         model.load_state_dict(lin.state_dict())
         convert_to_fp8(model, recipe, module_filter_fn=lambda m, fqn: True)
         assert isinstance(model[0], FP8Linear)
-        with fidelity.reference_gemms():
-            assert fp8_linear._use_cublas(x) is False
+        with fidelity.tf32_matmuls():
+            assert torch.backends.cuda.matmul.allow_tf32
             out = model(x)
             out.sum().backward()
         assert torch.isfinite(model[0].weight.grad).all()
         outs[name] = out.detach()
         assert (out - ref).norm() / ref.norm() < 0.1, name  # FP8 rounding, not garbage
-    assert fp8_linear._use_cublas is before and torch.backends.cuda.matmul.allow_tf32 == tf32
+    assert torch.backends.cuda.matmul.allow_tf32 == tf32
     assert torch.equal(outs["E5M2 gradients"], outs["hybrid"])  # gradients only: same forward
+    assert torch.equal(outs["FP8 output only"], outs["hybrid"])
     assert not torch.equal(outs["per-tensor activations"], outs["hybrid"])
+    assert not torch.equal(outs["FP8 grad_weight only"], outs["hybrid"])  # a BF16 forward
 
 
 def test_paired_counts_and_mcnemar():

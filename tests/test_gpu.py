@@ -7,7 +7,7 @@ GEMMs must match the CPU emulation up to FP32 summation order and the BF16 outpu
 import pytest
 import torch
 
-from fp8train import FP8Linear, convert_to_fp8, quantize
+from fp8train import FP8Linear, convert_to_fp8, make_recipe, quantize
 from fp8train.recipe import Fp8Format
 
 cuda_sm90 = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
@@ -58,6 +58,12 @@ def test_activation_kernel_bitwise(shape, dtype, pow2, fmt):
     assert torch.equal(_bits(sc[:, : cols_cpu.scale.shape[1]].cpu()), _bits(cols_cpu.scale))
     assert not qr[:, K:].float().any() and not qc[:, M:].float().any(), "padding must be zero"
     assert sr.stride() == (1, M) and sc.stride() == (1, K), "scales must be outer-dim major for cuBLAS"
+    qr1, sr1, qc1, sc1 = _triton_quant.quantize_tiles_and_transpose(x.cuda(), fmt, fmt, pow2, 512, cols=False)
+    assert qc1 is None and sc1 is None
+    assert torch.equal(_bits(qr1), _bits(qr)) and torch.equal(_bits(sr1), _bits(sr)), "rows-only launch differs"
+    for warps in (4, 16):  # the launch config must not change a bit
+        got = _triton_quant.quantize_tiles_and_transpose(x.cuda(), fmt, fmt, pow2, 512, num_warps=warps)
+        assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(got, (qr, sr, qc, sc)))
 
 
 @pytest.mark.parametrize("shape", [(1536, 8960), (384, 200), (3584, 3584)])
@@ -111,6 +117,30 @@ def test_linear_cuda_matches_cpu(recipe, shape):
         assert _sqnr(d, c) > 38, f"{recipe} {name}: CUDA and CPU paths differ ({_sqnr(d, c):.1f} dB)"
         assert abs(_sqnr(d, r) - _sqnr(c, r)) < 1.0, f"{recipe} {name}: accuracy vs FP64 differs between paths"
         assert _sqnr(d, r) > 20
+
+
+def test_emulate_flag_and_no_grad_path_on_cuda():
+    """recipe.emulate runs the reference GEMMs on the GPU (same function as cuBLAS up to summation order);
+    under no_grad the rows-only kernels give the same output as the training path."""
+    from dataclasses import replace
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(1536, 896).cuda()
+    x = torch.randn(2, 512, 1536, device="cuda")
+    outs = {}
+    for name, recipe in (("cublas", "hybrid"), ("emulated", replace(make_recipe("hybrid"), emulate=True))):
+        m = FP8Linear.from_linear(torch.nn.Linear(1536, 896).cuda(), recipe)
+        m.load_state_dict(lin.state_dict())
+        xr = x.clone().requires_grad_()
+        with torch.autocast("cuda", torch.bfloat16):
+            y = m(xr)
+            with torch.no_grad():
+                y_ng = m(x)
+        y.float().pow(2).sum().backward()
+        outs[name] = (y.detach().float(), xr.grad.float(), m.weight.grad.float())
+        assert torch.equal(y_ng, y.detach()), f"{name}: no_grad forward differs"
+    for a, b in zip(outs["cublas"], outs["emulated"]):
+        assert _sqnr(a, b) > 38
 
 
 def test_compiled_model_matches_eager_on_cuda():

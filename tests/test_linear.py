@@ -150,6 +150,29 @@ def test_torch_compile_matches_eager():
         assert torch.equal(a, b)
 
 
+def test_no_grad_and_frozen_weight_skip_the_transposed_copy(monkeypatch):
+    """Without a grad_weight to compute (no_grad, or a frozen weight) the FP8 input.T is not made, and
+    the results are the same numbers as the full path's."""
+    import fp8train.linear as fl
+
+    _, m, x, g = _setup("hybrid")
+    ref = _run(m, x, g)
+    made = []
+    real = fl._quantize_activation
+    monkeypatch.setattr(fl, "_quantize_activation", lambda *a, **k: made.append(k.get("cols", a[6] if len(a) > 6
+                                                                                   else True)) or real(*a, **k))
+    with torch.no_grad():
+        y = m(x)
+    assert torch.equal(y, ref[0]) and made == [False]
+    made.clear()
+    m.weight.requires_grad_(False)
+    m.weight.grad = m.bias.grad = None
+    xr = x.clone().requires_grad_()
+    m(xr).backward(g)
+    assert torch.equal(xr.grad, ref[1]) and m.weight.grad is None and torch.equal(m.bias.grad, ref[3])
+    assert made == [False, False]  # input and grad_output: rows only
+
+
 def test_bad_inputs():
     _, m, x, _ = _setup("hybrid")
     with pytest.raises(ValueError, match="floating-point"):
@@ -158,3 +181,33 @@ def test_bad_inputs():
         m(torch.randn(2, 100))
     with pytest.raises(ValueError, match="unknown FP8 recipe"):
         FP8Linear(16, 16, recipe="fp4")
+
+
+def test_high_precision_operands_and_emulate_flag():
+    """fmt=None keeps an operand in BF16: a recipe with every operand so computes nn.Linear's BF16 numbers;
+    one with only the output GEMM in FP8 changes the output but leaves grad_input and grad_weight exact."""
+    from dataclasses import replace
+
+    from fp8train.recipe import GemmConfig, OperandConfig
+
+    h = make_recipe("hybrid")
+    hp = OperandConfig(None, None)
+    bf16_gemm = GemmConfig(hp, hp)
+    lin, m, x, g = _setup("hybrid")
+    ref = _run(m, x, g)
+    none = replace(h, output=bf16_gemm, grad_input=bf16_gemm, grad_weight=bf16_gemm, emulate=True)
+    out_only = replace(h, grad_input=bf16_gemm, grad_weight=bf16_gemm, emulate=True)
+    results = {}
+    for name, recipe in (("none", none), ("output only", out_only)):
+        _, mr, _, _ = _setup(recipe)
+        with torch.autocast("cpu", torch.bfloat16):
+            results[name] = _run(mr, x, g)
+    lin_ref = _setup("bf16")[1]  # the same weights, plain nn.Linear under autocast
+    with torch.autocast("cpu", torch.bfloat16):
+        plain = _run(lin_ref, x, g)
+    for a, b in zip(results["none"][:3], plain[:3]):
+        assert sqnr(a.float(), b.float()) > 45  # BF16 operands, FP32 accumulation; outputs differ by BF16 rounding
+    assert sqnr(results["output only"][0].float(), plain[0].float()) < 35  # FP8 output GEMM
+    assert sqnr(results["output only"][1].float(), plain[1].float()) > 45  # BF16 grad_input
+    assert sqnr(results["output only"][2].float(), plain[2].float()) > 45  # BF16 grad_weight
+    assert not torch.equal(results["output only"][0], ref[0].to(results["output only"][0].dtype))

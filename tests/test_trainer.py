@@ -119,10 +119,23 @@ def golden_runs(tmp_path_factory, byte_tokenizer, corpus) -> dict[str, list[floa
             for recipe in ("bf16", "hybrid")}
 
 
+def _kernel_fingerprint() -> dict:
+    """What decides the CPU's floating-point results: the torch build, transformers, the vector ISA torch
+    picked, and the BF16 matrix extensions oneDNN uses when present (AMX / AVX512-BF16 round differently)."""
+    import transformers
+
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split("flags", 2)[1].splitlines()[0].split()
+    except (OSError, IndexError):
+        flags = []
+    return {"torch": torch.__version__, "transformers": transformers.__version__,
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "cpu_bf16": sorted(f for f in flags if f in ("avx512_bf16", "amx_bf16"))}
+
+
 def _same_kernels(golden: dict) -> bool:
-    """Same torch build and CPU kernel family as the machine that wrote the file: then exact."""
-    return (golden.get("torch") == torch.__version__
-            and golden.get("cpu_capability") == torch.backends.cpu.get_cpu_capability())
+    """Same torch build, transformers and CPU kernel family as the machine that wrote the file: then exact."""
+    return all(golden.get(k) == v for k, v in _kernel_fingerprint().items())
 
 
 @pytest.mark.parametrize("recipe", ["bf16", "hybrid"])
@@ -271,8 +284,7 @@ def _regenerate() -> None:
         tok, corpus_path = make_byte_tokenizer(tmp / "tok"), write_corpus(tmp / "corpus.jsonl")
         for recipe in ("bf16", "hybrid"):
             *losses, val = _golden_run(tmp / recipe, tok, corpus_path, recipe)
-            out = {"recipe": recipe, "losses": losses, "val_loss": val, "torch": torch.__version__,
-                   "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            out = {"recipe": recipe, "losses": losses, "val_loss": val, **_kernel_fingerprint(),
                    "command": "python tests/test_trainer.py --regen"}
             (GOLDEN / f"tiny_{recipe}.json").write_text(json.dumps(out, indent=1) + "\n")
             print(f"wrote {GOLDEN / f'tiny_{recipe}.json'}: {[round(x, 4) for x in losses]}, val {val:.4f}")

@@ -1,0 +1,160 @@
+"""Quantization kernels against memory bandwidth: each variant checked bit for bit, then timed.
+
+    PYTHONPATH=. python benchmarks/bench_quant.py [--legacy PATH] [--out results.json]
+
+The activation kernel reads x [M, K] (BF16) once and writes two FP8 copies plus their scales, so its
+floor is (2 + 1 + 1) bytes per element at copy bandwidth; the weight kernel reads FP32 and writes two
+FP8 copies (4 + 1 + 1). Variants: the library's kernels at 4/8/16 warps, the rows-only launch (no
+backward), a strip variant that loops over several 128-feature tiles per program (software-pipelined
+loads), and `--legacy` (a copy of an older `_triton_quant.py`, for A/B in one process).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+from fp8train import _triton_quant as tq
+from fp8train import quantize
+from fp8train.recipe import Fp8Format
+
+E4M3 = Fp8Format.E4M3
+ACT_SHAPES = [(8192, 1536), (8192, 8960), (8192, 3584), (8192, 18944)]
+WEIGHT_SHAPES = [(8960, 1536), (18944, 3584), (3584, 18944)]
+
+
+@triton.jit
+def _strip_kernel(x_ptr, M, K, stride_xm, qr_ptr, sr_ptr, Kp, qc_ptr, sc_ptr, Mp,
+                  FMT_MAX: tl.constexpr, DTYPE: tl.constexpr, TILES: tl.constexpr, STAGES: tl.constexpr,
+                  BLOCK: tl.constexpr):
+    """One program: 128 tokens x TILES feature tiles, the loads of the next tile in flight (BF16, POW2 only)."""
+    pid_m = tl.program_id(0)
+    offs_m = pid_m * BLOCK + tl.arange(0, BLOCK)
+    in_m = offs_m < M
+    for t in tl.range(0, TILES, num_stages=STAGES):
+        pid_k = tl.program_id(1) * TILES + t
+        offs_k = pid_k * BLOCK + tl.arange(0, BLOCK)
+        in_k = offs_k < K
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=in_m[:, None] & in_k[None, :], other=0.0)
+        ax = tq._abs_bits(x, True)
+        s_r = tq._scale_from_amax_bits(tq._amax_bits(ax, 1, True), FMT_MAX, True)
+        s_c = tq._scale_from_amax_bits(tq._amax_bits(ax, 0, True), FMT_MAX, True)
+        q_r = tq._quant(x, s_r[:, None], tq._inverse(s_r, True)[:, None], FMT_MAX, DTYPE, True)
+        tl.store(qr_ptr + offs_m[:, None] * Kp + offs_k[None, :], q_r, mask=in_m[:, None] & (offs_k < Kp)[None, :])
+        tl.store(sr_ptr + pid_k * M + offs_m, s_r, mask=in_m & (pid_k * BLOCK < Kp))
+        q_c = tq._quant(x, s_c[None, :], tq._inverse(s_c, True)[None, :], FMT_MAX, DTYPE, True)
+        tl.store(qc_ptr + offs_k[:, None] * Mp + offs_m[None, :], tl.trans(q_c),
+                 mask=in_k[:, None] & (offs_m < Mp)[None, :])
+        tl.store(sc_ptr + pid_m * K + offs_k, s_c, mask=in_k & (pid_m * BLOCK < Mp))
+
+
+def strip_quantize(x2d, tiles: int, stages: int, num_warps: int = 8, pad: int = 512):
+    M, K = x2d.shape
+    Kp, Mp = tq._round_up(K, pad), tq._round_up(M, pad)
+    qr = torch.empty(M, Kp, dtype=E4M3.dtype, device=x2d.device)
+    sr = torch.empty(Kp // 128, M, dtype=torch.float32, device=x2d.device)
+    qc = torch.empty(K, Mp, dtype=E4M3.dtype, device=x2d.device)
+    sc = torch.empty(Mp // 128, K, dtype=torch.float32, device=x2d.device)
+    grid = (Mp // 128, Kp // 128 // tiles)  # Kp / 128 is a multiple of 4: tiles in {1, 2, 4}
+    _strip_kernel[grid](x2d, M, K, x2d.stride(0), qr, sr, Kp, qc, sc, Mp, FMT_MAX=E4M3.max, DTYPE=tl.float8e4nv,
+                        TILES=tiles, STAGES=stages, BLOCK=128, num_warps=num_warps)
+    return qr, sr.t(), qc, sc.t()
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.element_size() == 1 else t.view(torch.int32)
+
+
+def check_act(fn, x) -> bool:
+    M, K = x.shape
+    qr, sr, qc, sc = fn(x)
+    r, c = quantize(x, (1, 128), E4M3, True), quantize(x.t(), (1, 128), E4M3, True)
+    ok = torch.equal(_bits(qr[:, :K]), _bits(r.data)) and torch.equal(_bits(sr[:, :r.scale.shape[1]]), _bits(r.scale))
+    if qc is not None:
+        ok &= torch.equal(_bits(qc[:, :M]), _bits(c.data)) and torch.equal(_bits(sc[:, :c.scale.shape[1]]), _bits(c.scale))
+    return bool(ok)
+
+
+def check_weight(fn, w) -> bool:
+    N, K = w.shape
+    q, qt, s = fn(w)
+    ref = quantize(w, (128, 128), E4M3, True)
+    return bool(torch.equal(_bits(q[:, :K]), _bits(ref.data)) and torch.equal(_bits(qt[:, :N]), _bits(ref.data.t().contiguous()))
+                and torch.equal(_bits(s[:, :ref.scale.shape[1]]), _bits(ref.scale)))
+
+
+def _us(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
+
+
+def _data(shape, dtype, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(shape, generator=g, device="cuda") * torch.logspace(-3, 3, shape[1], device="cuda")[None, :]
+    x[7] = 0.0
+    return x.to(dtype)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--legacy", default=None, help="path of an older _triton_quant.py to compare against")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    legacy = None
+    if args.legacy:
+        spec = importlib.util.spec_from_file_location("legacy_triton_quant", args.legacy)
+        legacy = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(legacy)
+
+    big = torch.empty(8192, 18944, dtype=torch.bfloat16, device="cuda").normal_()
+    copy_tbs = 2 * big.numel() * 2 / (_us(lambda: big.clone()) * 1e-6) / 1e12
+    del big
+    print(f"device {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}  "
+          f"copy bandwidth {copy_tbs:.2f} TB/s (read + write)", flush=True)
+
+    act = {f"w{w}": (lambda x, w=w: tq.quantize_tiles_and_transpose(x, E4M3, E4M3, True, 512, num_warps=w))
+           for w in (4, 8, 16)}
+    act["w8 rows-only"] = lambda x: tq.quantize_tiles_and_transpose(x, E4M3, E4M3, True, 512, cols=False)
+    for tiles, stages in ((2, 2), (4, 2), (4, 3)):
+        act[f"strip t{tiles} s{stages}"] = lambda x, t=tiles, s=stages: strip_quantize(x, t, s)
+    if legacy is not None:
+        act["legacy"] = lambda x: legacy.quantize_tiles_and_transpose(x, E4M3, E4M3, True, 512)
+    wgt = {f"w{w}": (lambda w_, w=w: tq.quantize_blocks_and_transpose(w_, E4M3, True, 512, num_warps=w)) for w in (4, 8, 16)}
+    if legacy is not None:
+        wgt["legacy"] = lambda w_: legacy.quantize_blocks_and_transpose(w_, E4M3, True, 512)
+
+    rows = []
+    for kind, shapes, variants, dtype, nbytes in (("activation", ACT_SHAPES, act, torch.bfloat16, 4),
+                                                  ("weight", WEIGHT_SHAPES, wgt, torch.float32, 6)):
+        for i, shape in enumerate(shapes):
+            x = _data(shape, dtype, i)
+            floor_us = shape[0] * shape[1] * nbytes / (copy_tbs * 1e12) * 1e6
+            for name, fn in variants.items():
+                try:
+                    ok = (check_act if kind == "activation" else check_weight)(fn, x)
+                    us = _us(lambda: fn(x))
+                except Exception as e:  # a variant that does not compile is reported, not fatal
+                    print(f"{kind} {shape} {name}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
+                    continue
+                moved = shape[0] * shape[1] * (nbytes if "rows-only" not in name else nbytes - 1)
+                rows.append({"kind": kind, "shape": list(shape), "variant": name, "bit_exact": ok, "us": us,
+                             "tb_s": moved / (us * 1e-6) / 1e12, "floor_us": floor_us})
+                print(json.dumps(rows[-1]), flush=True)
+            del x
+    print(f"\n| kind | M x K | variant | bit-exact | us | TB/s | floor us (copy bw) |\n|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['kind']} | {r['shape'][0]} x {r['shape'][1]} | {r['variant']} | {'yes' if r['bit_exact'] else 'NO'} "
+              f"| {r['us']:.0f} | {r['tb_s']:.2f} | {r['floor_us']:.0f} |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"copy_tb_s": copy_tbs, "rows": rows}, f, indent=1)
+    return 0 if all(r["bit_exact"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

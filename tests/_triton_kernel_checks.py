@@ -1,0 +1,135 @@
+"""CPU checks of the Triton quantization kernels, run by tests/test_triton_kernels.py in a subprocess.
+
+    python tests/_triton_kernel_checks.py interpret   # with TRITON_INTERPRET=1: the kernels' arithmetic
+    python tests/_triton_kernel_checks.py compile     # sm90 machine code: registers and spills
+
+`interpret` runs the kernels in Triton's interpreter and compares, bit for bit, the FP32 values they would
+convert to FP8 (the interpreter's own FP8 cast is wrong: it rounds 31.65 to 16; the GPU's cvt.rn.satfinite
+is checked on the device by tests/test_gpu.py) and every scale against the reference of fp8train.quant.
+`compile` builds the kernels for SM90 (ptxas ships with Triton) as the JIT would for aligned shapes and
+prints the register count and stack size of each launch the library uses. Prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+import triton
+import triton.language as tl
+
+from fp8train import _triton_quant as tq
+from fp8train.quant import compute_scale
+from fp8train.recipe import Fp8Format
+
+
+def _pre_conversion(x2d, fmt, pow2):
+    """Reference FP32 values x / scale (clamped) and scales, 1x128 tiles along the last dim."""
+    R, C = x2d.shape
+    nc = -(-C // 128)
+    p = torch.nn.functional.pad(x2d.float(), (0, nc * 128 - C)).view(R, nc, 128)
+    s = compute_scale(p.abs().amax(-1), fmt, pow2)
+    return (p / s[..., None]).clamp(-fmt.max, fmt.max).view(R, -1)[:, :C], s
+
+
+def _bits(t):
+    b = t.contiguous().view(torch.int32).clone()
+    b[torch.isnan(t)] = -1
+    return b
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(0)
+    wide = torch.randn(256, 384, generator=g) * torch.logspace(-30, 30, 384)[None, :]
+    wide[3] = 0.0
+    wide[5, 7] = 1e4
+    nonfinite = torch.randn(256, 256, generator=g)
+    nonfinite[0, 0], nonfinite[130, 5], nonfinite[200, 0] = float("nan"), float("inf"), -float("inf")
+    edge = torch.ones(128, 128)  # amax / 448 next to powers of two, tiny and huge magnitudes
+    for i in range(128):
+        edge[i, 0] = 448.0 * 2.0 ** (i % 20 - 10) * (1 + (i // 20) * 2 ** -23)
+    return [("wide bf16", wide.to(torch.bfloat16)), ("wide fp32", wide), ("ragged", torch.randn(130, 200, generator=g)),
+            ("ragged bf16", torch.randn(257, 129, generator=g).to(torch.bfloat16)), ("nonfinite", nonfinite),
+            ("edge", edge), ("edge tiny", edge * 1e-36), ("edge huge", edge * 1e35)]
+
+
+def interpret() -> dict:
+    tq._tl_dtype = lambda dtype: tl.float32  # write the pre-conversion values
+    failures = []
+    for name, x in _inputs():
+        M, K = x.shape
+        for f in ("e4m3", "e5m2"):
+            fmt = Fp8Format.parse(f)
+            fake = SimpleNamespace(dtype=torch.float32, max=fmt.max)
+            for pow2 in (True, False):
+                rr, rs = _pre_conversion(x, fmt, pow2)
+                cr, cs = _pre_conversion(x.t(), fmt, pow2)
+                for cols in (True, False):
+                    qr, sr, qc, sc = tq.quantize_tiles_and_transpose(x, fake, fake, pow2, 512, cols=cols)
+                    ok = torch.equal(_bits(qr[:, :K]), _bits(rr)) and torch.equal(_bits(sr[:, :rs.shape[1]]), _bits(rs))
+                    ok &= not qr[:, K:].any() and bool((sr[:, rs.shape[1]:] == 1).all())
+                    if cols:
+                        ok &= torch.equal(_bits(qc[:, :M]), _bits(cr)) and torch.equal(_bits(sc[:, :cs.shape[1]]), _bits(cs))
+                        ok &= not qc[:, M:].any() and bool((sc[:, cs.shape[1]:] == 1).all())
+                    else:
+                        ok &= qc is None and sc is None
+                    if not ok:
+                        failures.append(f"activation {name} {f} pow2={pow2} cols={cols}")
+        if x.dtype == torch.float32 and x.shape[0] % 128 == 0:  # weights: FP32 masters, 128x128 blocks
+            for pow2 in (True, False):
+                fmt = Fp8Format.E4M3
+                q, qt, s = tq.quantize_blocks_and_transpose(x, SimpleNamespace(dtype=torch.float32, max=fmt.max), pow2, 512)
+                nb, kb = M // 128, -(-K // 128)
+                blocks = torch.nn.functional.pad(x, (0, kb * 128 - K)).view(nb, 128, kb, 128)
+                rs = compute_scale(blocks.abs().amax(dim=(1, 3)), fmt, pow2)
+                rq = (blocks / rs[:, None, :, None]).clamp(-fmt.max, fmt.max).reshape(M, kb * 128)[:, :K]
+                ok = torch.equal(_bits(q[:, :K]), _bits(rq)) and torch.equal(_bits(qt[:, :M]), _bits(rq.t()))
+                ok &= torch.equal(_bits(s[:, :kb]), _bits(rs))
+                if not ok:
+                    failures.append(f"weight {name} pow2={pow2}")
+    return {"failures": failures}
+
+
+def _resources(kernel) -> dict:
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        out = subprocess.run([str(cuobjdump), "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    return {k: int(v) for k, v in re.findall(r"(REG|STACK):(\d+)", out)}
+
+
+def compile_sm90() -> dict:
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    target = GPUTarget("cuda", 90, 32)
+    aligned = {(i,): [["tt.divisibility", 16]] for i in range(10)}  # pointers, sizes, strides: multiples of 16
+    act_sig = {n: "constexpr" for n in tq._act_kernel.arg_names}
+    act_sig.update(x_ptr="*bf16", M="i32", K="i32", stride_xm="i32", qr_ptr="*fp8e4nv", sr_ptr="*fp32", Kp="i32",
+                   qc_ptr="*fp8e4nv", sc_ptr="*fp32", Mp="i32")
+    w_sig = {n: "constexpr" for n in tq._weight_kernel.arg_names}
+    w_sig.update(w_ptr="*fp32", N="i32", K="i32", stride_wn="i32", q_ptr="*fp8e4nv", Kp="i32", qt_ptr="*fp8e4nv",
+                 Np="i32", s_ptr="*fp32", KB="i32")
+    out = {}
+    for cols in (True, False):
+        consts = dict(ROW_MAX=448.0, ROW_DTYPE=tl.float8e4nv, COL_MAX=448.0, COL_DTYPE=tl.float8e4nv, POW2=True,
+                      COLS=cols, BF16=True, BLOCK=128)
+        k = triton.compile(ASTSource(tq._act_kernel, act_sig, consts, aligned), target=target,
+                           options={"num_warps": tq._NUM_WARPS})
+        out[f"activation cols={cols}"] = _resources(k)
+    consts = dict(FMT_MAX=448.0, DTYPE=tl.float8e4nv, POW2=True, BF16=False, BLOCK=128)
+    k = triton.compile(ASTSource(tq._weight_kernel, w_sig, consts, aligned), target=target,
+                       options={"num_warps": tq._NUM_WARPS})
+    out["weight"] = _resources(k)
+    return out
+
+
+if __name__ == "__main__":
+    print(json.dumps(interpret() if sys.argv[1] == "interpret" else compile_sm90()))

@@ -1,0 +1,47 @@
+"""The Triton quantization kernels on a CPU: their arithmetic in Triton's interpreter, and their SM90
+machine code (registers, spills), both in subprocesses (TRITON_INTERPRET is read when kernels are defined).
+
+Triton is not a dependency of the CPU install; `make test` puts Triton 3.6 (the version on the lent H200)
+in .venv/triton-cpu, and these tests skip, saying so, where it is absent. The bit-exact FP8 conversion itself
+runs on the GPU: tests/test_gpu.py.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TRITON_DIR = ROOT / ".venv" / "triton-cpu"
+pytestmark = pytest.mark.skipif(not (TRITON_DIR / "triton").is_dir(),
+                                reason=f"Triton for the CPU checks is not installed in {TRITON_DIR} (make test does it)")
+
+
+def _check(mode: str) -> dict:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TRITON_DIR), str(ROOT)])}
+    if mode == "interpret":
+        env["TRITON_INTERPRET"] = "1"
+    else:
+        env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "_triton_kernel_checks.py"), mode], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_kernel_arithmetic_matches_the_reference_bit_for_bit():
+    """Scales and pre-conversion values of both copies, E4M3 and E5M2, pow2 on and off, BF16 and FP32 inputs,
+    ragged shapes, zeros, NaN/Inf and amax values next to powers of two: equal to fp8train.quant's."""
+    assert _check("interpret")["failures"] == []
+
+
+def test_kernels_compile_for_sm90_without_spills():
+    """The default launches fit in registers: a spill to local memory (STACK > 0) costs bandwidth, and more
+    than 128 registers at 8 warps leaves one program per SM, so no load overlaps another's arithmetic."""
+    res = _check("compile")
+    for name, r in res.items():
+        assert r["STACK"] == 0, f"{name} spills: {r}"
+        assert r["REG"] <= 128, f"{name} uses {r['REG']} registers"

@@ -153,12 +153,12 @@ def main(argv=None) -> int:
     print(json.dumps(res), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=1))
-    # Bounds: transformers' dequantized weights are the exported blocks times their scales (BF16 rounding,
-    # 2^-8); the cuBLAS FP8 GEMMs on the exported operands match their FP32 emulation up to summation order
+    # Bounds: transformers' dequantized weights are the exported blocks times their scales (one BF16 rounding
+    # step, measured 2^-8 on CPU: it multiplies in BF16; bound 2^-7); the cuBLAS FP8 GEMMs on the exported operands match their FP32 emulation up to summation order
     # and BF16 outputs (> 30 dB); against BF16, E4M3 rounding of weights (and, served, activations) keeps the
     # logits within 20% RMS even on a random-init model, whose logits are small and nearly tied.
     ok = ((mode != "fp8 kernels" or "float8" in res["q_proj_weight_dtype"]) and n_served > 0
-          and (weight_err is None or weight_err <= 2 ** -8) and res["served_vs_emulated_sqnr_db"] > 30
+          and (weight_err is None or weight_err <= 2 ** -7) and res["served_vs_emulated_sqnr_db"] > 30
           and res["hf_fp8_vs_bf16_rel_rms"] < 0.2 and res["served_vs_bf16_rel_rms"] < 0.2)
     print("export check:", "PASS" if ok else "FAIL (see numbers)")
     return 0 if ok else 1

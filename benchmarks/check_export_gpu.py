@@ -145,20 +145,32 @@ def main(argv=None) -> int:
     def rel(x, ref):
         return float((x - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt())
 
+    # one exported projection on the same input: the cuBLAS FP8 GEMM against its emulation
+    q_served, q_emul = served.model.layers[0].self_attn.q_proj, emulated.model.layers[0].self_attn.q_proj
+    xq = torch.randn(1024, bf16.config.hidden_size, device=args.device,
+                     dtype=torch.bfloat16)
+    with torch.no_grad():
+        layer_sqnr = float(-20 * torch.log10(torch.tensor(rel(q_served(xq).double(), q_emul(xq).double()))))
     res = {"load_mode": mode, "q_proj_type": type(proj).__name__, "q_proj_weight_dtype": str(proj.weight.dtype),
            "tokens": ids.shape[1], "hf_loaded_weight_max_rel_err": weight_err,
            "hf_fp8_vs_bf16_rel_rms": rel(b, a), "served_fp8_gemm_layers": n_served,
-           "served_vs_bf16_rel_rms": rel(c, a), "served_vs_emulated_sqnr_db": float(-20 * torch.log10(torch.tensor(rel(c, e)))),
+           "served_vs_bf16_rel_rms": rel(c, a), "emulated_vs_bf16_rel_rms": rel(e, a),
+           "served_q_proj_vs_emulated_sqnr_db": layer_sqnr,
+           "served_vs_emulated_logits_sqnr_db": float(-20 * torch.log10(torch.tensor(rel(c, e)))),
            "served_vs_emulated_top1": float((c.argmax(-1) == e.argmax(-1)).float().mean())}
     print(json.dumps(res), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=1))
     # Bounds: transformers' dequantized weights are the exported blocks times their scales (one BF16 rounding
-    # step, measured 2^-8 on CPU: it multiplies in BF16; bound 2^-7); the cuBLAS FP8 GEMMs on the exported operands match their FP32 emulation up to summation order
-    # and BF16 outputs (> 30 dB); against BF16, E4M3 rounding of weights (and, served, activations) keeps the
-    # logits within 20% RMS even on a random-init model, whose logits are small and nearly tied.
+    # step, measured 2^-8 on CPU: it multiplies in BF16; bound 2^-7); one cuBLAS FP8 GEMM on the exported
+    # operands matches its FP32 emulation up to summation order and the BF16 output (> 38 dB, as
+    # tests/test_gpu.py); through the model, tiny differences move activations across FP8 rounding
+    # boundaries, so the served logits are judged by their distance to BF16, which must be that of the
+    # emulation within 25%; and E4M3 weights keep the logits within 20% RMS of BF16 even on this random-init
+    # model, whose logits are small and nearly tied.
     ok = ((mode != "fp8 kernels" or "float8" in res["q_proj_weight_dtype"]) and n_served > 0
-          and (weight_err is None or weight_err <= 2 ** -7) and res["served_vs_emulated_sqnr_db"] > 30
+          and (weight_err is None or weight_err <= 2 ** -7) and layer_sqnr > 38
+          and res["served_vs_bf16_rel_rms"] < 1.25 * res["emulated_vs_bf16_rel_rms"]
           and res["hf_fp8_vs_bf16_rel_rms"] < 0.2 and res["served_vs_bf16_rel_rms"] < 0.2)
     print("export check:", "PASS" if ok else "FAIL (see numbers)")
     return 0 if ok else 1

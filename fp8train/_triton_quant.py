@@ -148,7 +148,10 @@ def _weight_kernel(
     if not BF16:
         w = w.to(tl.float32)
     s = _scale_from_amax_bits(tl.max(_amax_bits(_abs_bits(w, BF16), 1, BF16), axis=0), FMT_MAX, POW2)
-    q = _quant(w, s, _inverse(s, POW2), FMT_MAX, DTYPE, POW2)
+    # IEEE division also for power-of-two scales (exact, the same numbers as the multiply): with the multiply
+    # the transposed store below came out wrong on the H200 (Triton 3.6; seen 2026-12-02, cause not found).
+    # One weight quantization per optimizer step: this kernel is not on the hot path.
+    q = _quant(w, s, s, FMT_MAX, DTYPE, False)
     tl.store(q_ptr + offs_n[:, None] * Kp + offs_k[None, :], q, mask=in_n[:, None] & (offs_k < Kp)[None, :])
     tl.store(qt_ptr + offs_k[:, None] * Np + offs_n[None, :], tl.trans(q), mask=in_k[:, None] & (offs_n < Np)[None, :])
     if pid_n * BLOCK < N:

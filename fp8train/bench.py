@@ -140,7 +140,8 @@ def run_case(case: BenchCase, *, steps: int = 5, warmup: int = 2, device: str = 
            "compiled": case.compiled, "step_ms": step_s * 1e3, "tokens_per_s": seq / step_s, "tflops": tflops,
            "mfu_bf16_peak": tflops / BF16_PEAK, "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda
            else float("nan"), "loss_first": losses[0], "loss_last": losses[-1],
-           "fp8_layers": len(trainer.fp8_report.converted), "first_step_s": times[0]}
+           "fp8_layers": len(trainer.fp8_report.converted), "first_step_s": times[0],
+           "skipped_steps": trainer.skipped_steps}  # non-finite steps skip the optimizer: not a valid timing
     if profile:
         from torch.profiler import ProfilerActivity
         from torch.profiler import profile as torch_profile
@@ -172,7 +173,8 @@ def markdown_table(results: list[dict]) -> str:
         lines.append(f"| {r['model']} | {r['layers']} | {r['seq']} | {'compiled' if r['compiled'] else 'eager'} | "
                      f"{r['variant']} | {r['step_ms']:.1f} | {r['tokens_per_s']:,.0f} | {r['tflops']:.0f} | "
                      f"{r['mfu_bf16_peak']:.1%} | {r['peak_mem_gib']:.1f} | {sp} | {mem} | "
-                     f"{r['loss_first']:.3f} / {r['loss_last']:.3f} |")
+                     f"{r['loss_first']:.3f} / {r['loss_last']:.3f}"
+                     + (f" ({r['skipped_steps']} NON-FINITE steps: invalid)" if r.get("skipped_steps") else "") + " |")
     profiled = [r for r in results if "profile_ms" in r]
     if profiled:
         cats = ["fp8 gemm", "bf16/fp32 gemm", "quantization", "attention", "norms and elementwise", "optimizer",

@@ -228,7 +228,11 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
         health: dict = {}
-        with cache_fp8_weights(self.model):  # one weight quantization per step; closed before the update
+        # One weight quantization per step across micro-batches, closed before the update. With one
+        # micro-batch there is nothing to share: without the cache the forward's FP8 copy of W dies with
+        # the forward and only W.T (saved for grad_input) lives on, 1 byte per parameter less.
+        caching = cache_fp8_weights(self.model) if len(batches) > 1 else contextlib.nullcontext()
+        with caching:
             for i, batch in enumerate(batches):
                 batch = self._to_device(batch)
                 tracker = track_fp8_health(self.model) if track_health and i == 0 else contextlib.nullcontext({})

@@ -221,6 +221,23 @@ def test_gradient_accumulation_matches_one_big_micro_batch(tmp_path, byte_tokeni
     torch.testing.assert_close(torch.tensor(losses[1]), torch.tensor(losses[8]), rtol=5e-3, atol=0)
 
 
+def test_fp8_weight_cache_only_across_micro_batches(tmp_path, byte_tokenizer, corpus):
+    """The FP8 weight copies are kept across the micro-batches of a step (one quantization per step), and not
+    at all when a step has one micro-batch (the forward's copy of W then dies with the forward)."""
+    from fp8train import FP8Linear
+
+    for mb, expect in ((4, True), (8, False)):  # global batch 8
+        cfg = tiny_config(tmp_path / f"mb{mb}", byte_tokenizer, corpus, recipe="hybrid",
+                          **{"train.micro_batch": mb, "train.steps": 3, "train.save_every": 0,
+                             "optim.warmup_steps": 1, "optim.decay_steps": 1})
+        trainer = Trainer(cfg, progress=False)
+        layer = next(m for m in trainer.model.modules() if isinstance(m, FP8Linear))
+        seen = []
+        layer.register_forward_hook(lambda m, a, o: seen.append(m._cache_weight))
+        trainer.train_step(trainer._micro_batches(next(trainer._batches)))
+        assert seen == [expect] * (8 // mb) and layer._weight_cache is None and not layer._cache_weight
+
+
 # ------------------------------------------------------------------------------------- NaN / Inf
 
 

@@ -238,6 +238,15 @@ def test_fp8_weight_cache_only_across_micro_batches(tmp_path, byte_tokenizer, co
         assert seen == [expect] * (8 // mb) and layer._weight_cache is None and not layer._cache_weight
 
 
+def test_fsdp_always_needs_torchrun(tmp_path, byte_tokenizer, corpus):
+    from fp8train.trainer import train
+
+    cfg = tiny_config(tmp_path, byte_tokenizer, corpus, **{"distributed.fsdp": "always"})
+    with pytest.raises(ValueError, match="distributed.fsdp"):
+        train(cfg, progress=False)
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
 # ------------------------------------------------------------------------------------- NaN / Inf
 
 

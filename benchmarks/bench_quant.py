@@ -113,7 +113,7 @@ def main(argv=None) -> int:
 
     big = torch.empty(8192, 18944, dtype=torch.bfloat16, device="cuda").normal_()
     copy_tbs = 2 * big.numel() * 2 / (_us(lambda: big.clone()) * 1e-6) / 1e12
-    del big
+    big = None  # free it before the kernels run
     print(f"device {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}  "
           f"copy bandwidth {copy_tbs:.2f} TB/s (read + write)", flush=True)
 
@@ -145,8 +145,8 @@ def main(argv=None) -> int:
                 rows.append({"kind": kind, "shape": list(shape), "variant": name, "bit_exact": ok, "us": us,
                              "tb_s": moved / (us * 1e-6) / 1e12, "floor_us": floor_us})
                 print(json.dumps(rows[-1]), flush=True)
-            del x
-    print(f"\n| kind | M x K | variant | bit-exact | us | TB/s | floor us (copy bw) |\n|---|---|---|---|---|---|---|")
+            x = None
+    print("\n| kind | M x K | variant | bit-exact | us | TB/s | floor us (copy bw) |\n|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['kind']} | {r['shape'][0]} x {r['shape'][1]} | {r['variant']} | {'yes' if r['bit_exact'] else 'NO'} "
               f"| {r['us']:.0f} | {r['tb_s']:.2f} | {r['floor_us']:.0f} |")

@@ -15,11 +15,11 @@ Padded regions (Kp, Mp: contraction lengths rounded up for cuBLAS) hold zeros wi
 Why the kernels are cheap per element (they must stream at memory speed, ~4 TB/s on an H200):
 - amax and "holds a NaN" come from one integer max over the bit patterns of |x|: those order like the
   magnitudes, and every NaN pattern lies above +Inf's;
-- with power-of-two scales (the default) quantizing is a multiply by the exact reciprocal 2^-e (made by
-  exponent arithmetic on the 1-D scales), which rounds exactly like the reference's division, and
-  |x * 2^-e| <= fmt.max needs no clamp (the scale is at least amax / fmt.max: a quotient that rounds down
-  onto a power of two is not an FP32 amax / 448 or / 57344). Exact FP32 scales keep the IEEE division and
-  the clamp, as the reference;
+- with power-of-two scales (the default) quantizing an activation is a multiply by the exact reciprocal
+  2^-e (made by exponent arithmetic on the 1-D scales), which rounds exactly like the reference's
+  division, and |x * 2^-e| <= fmt.max needs no clamp (the scale is at least amax / fmt.max: a quotient
+  that rounds down onto a power of two is not an FP32 amax / 448 or / 57344). Exact FP32 scales, and the
+  weight kernel (see there), keep the IEEE division and the clamp, as the reference;
 - a BF16 tile stays BF16 in registers (amax on its 16-bit patterns) and is widened only for the multiply:
   half the registers, so two programs fit on an SM and one's loads overlap the other's arithmetic.
 """

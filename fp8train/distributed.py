@@ -405,7 +405,8 @@ def load_single_process_checkpoint(path: str | os.PathLike, model: nn.Module,
     state = {}
 
     def prepare():
-        verify_checkpoint(path)
+        if _rank() == 0:  # hashing every file once is enough: a failure still stops every rank (_all_ok)
+            verify_checkpoint(path)
         state["model"] = read_model_weights(model, path / "model")
         state["train"] = torch.load(path / "train_state.pt", map_location="cpu", weights_only=True)
         if optimizer is not None:

@@ -175,8 +175,9 @@ class Trainer:
             return
         from .distributed import is_sharded_checkpoint, load_sharded, load_single_process_checkpoint
 
-        if is_sharded_checkpoint(path) or self.world.sharded:  # any checkpoint resumes at any world size
-            load = load_sharded if is_sharded_checkpoint(path) else load_single_process_checkpoint
+        written_sharded = is_sharded_checkpoint(path)
+        if written_sharded or self.world.sharded:  # any checkpoint resumes at any world size
+            load = load_sharded if written_sharded else load_single_process_checkpoint
             state = load(path, self.model, self.optimizer)
             self.scheduler.load_state_dict(state["scheduler"])
         else:

@@ -71,6 +71,7 @@ def enable_fp8_all_gather(module: FP8Linear) -> None:
     fmt = module.recipe.output.b.fmt
     shard = _Fp8ShardedWeight(w.data, fmt, module.recipe.pow2_scale)
     module.weight = nn.Parameter(shard, requires_grad=w.requires_grad)
+    module._fp8_all_gather = True  # compiled, this layer runs outside the graph (the gathered weight is a subclass)
 
 
 def unwrap(value):

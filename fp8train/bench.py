@@ -1,6 +1,6 @@
 """`fp8train bench`: the end-to-end training step, BF16 vs FP8 recipes vs torchao float8, on your GPU.
 
-    fp8train bench --models qwen2.5-1.5b qwen2.5-7b:16 --seq 4096 8192 --modes eager compiled --profile
+    fp8train bench --models qwen2.5-1.5b qwen2.5-7b:22 --seq 4096 8192 --profile
 
 Every variant runs the trainer's own `Trainer.train_step` (FP32 master weights, fused AdamW, BF16 autocast,
 grad clipping) on the same random tokens from the same initial weights; only the Linears differ:
@@ -101,6 +101,9 @@ def run_case(case: BenchCase, *, steps: int = 5, warmup: int = 2, device: str = 
     from .optim import OptimConfig
     from .trainer import Trainer
 
+    import torch._dynamo
+
+    torch._dynamo.reset()  # every case compiles afresh: no recompile limit, no shapes made dynamic by earlier cases
     vocab = case.vocab or (None if PRESETS[case.model]["vocab_size"] else 151936)
     mcfg = ModelConfig(source=case.model, num_layers=case.layers, vocab_size=vocab)
     torch.manual_seed(0)

@@ -54,7 +54,7 @@ def _resolve_block(block: Block, shape: tuple[int, int]) -> tuple[int, int] | No
     if len(block) != 2:
         raise ValueError(f"quantize: block must be (rows, cols) or None, got {block!r}")
     br, bc = (shape[i] if b == -1 else b for i, b in enumerate(block))
-    if not (isinstance(br, int) and isinstance(bc, int)) or br < 1 or bc < 1:
+    if not (isinstance(br, (int, torch.SymInt)) and isinstance(bc, (int, torch.SymInt))) or br < 1 or bc < 1:
         raise ValueError(f"quantize: block sizes must be positive integers or -1, got {block!r}")
     return max(br, 1), max(bc, 1)
 

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from fp8train import FP8Linear
+from fp8train import _fp8_ops
 from fp8train import linear as fl
 
 ST = F.ScalingType
@@ -53,7 +54,7 @@ def _strict_scaled_mm(a, b, scale_a, recipe_a, scale_b, recipe_b, output_dtype=N
 @pytest.fixture
 def fake_cublas(monkeypatch):
     monkeypatch.setattr(fl, "_use_cublas", lambda t: True)
-    monkeypatch.setattr(fl, "_triton_quant", None)  # the reference quantizer with cuBLAS padding
+    monkeypatch.setattr(_fp8_ops, "_triton_quant", None)  # the reference quantizer with cuBLAS padding
     monkeypatch.setattr(F, "scaled_mm", _strict_scaled_mm)
 
 

@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimi
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from fp8train import Fp8Format, convert_to_fp8, make_recipe, quantize
+from fp8train import _fp8_ops as fp8_ops
 from fp8train import linear as fp8_linear
 from fp8train._fsdp_fp8 import _Fp8GatheredWeight, _Fp8ShardedWeight, fp8_gather_blocker, unwrap
 from fp8train.distributed import (DistributedConfig, ParallelInfo, all_reduce_sum, apply_fsdp, destroy,
@@ -133,15 +134,15 @@ def _gathered_blocks_match(model, report, info) -> dict:
             mod = model.get_submodule(fqn)
             w, master = mod.weight, full[f"{fqn}.weight"]
             ref = quantize(master, (128, 128), "e4m3", pow2_scale=True)
-            ops = mod._quantize_weight(w, False)
-            ref_ops = fp8_linear._quantize_weight(master, mod.recipe, False)
+            ops = mod._quantize_weight(w, False)  # (W data, scale, W.T data, scale)
+            ref_ops = fp8_ops.pack_pair(*fp8_linear._quantize_weight(master, mod.recipe, False), master)
             result[fqn] = {
                 "type": type(w).__name__,
                 "data": torch.equal(w._data.view(torch.uint8), ref.data.view(torch.uint8)),
                 "scale": torch.equal(w._scale, ref.scale),
-                "operands": all(torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8))
-                                and torch.equal(a.scale, b.scale) for a, b in zip(ops, ref_ops)),
-                "no_copy": ops[0].data.data_ptr() == w._data.data_ptr(),
+                "operands": all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if a.element_size() == 1
+                                else torch.equal(a, b) for a, b in zip(ops, ref_ops)),
+                "no_copy": ops[0].data_ptr() == w._data.data_ptr(),
             }
     for layer in model.model.layers:
         layer.reshard()
@@ -438,7 +439,7 @@ def test_sharded_weight_behaves_as_its_fp32_tensor():
 def test_gathered_weight_gives_fp8linear_its_operands(monkeypatch, cublas):
     """The operands FP8Linear takes from an FP8-gathered weight equal the ones it would quantize itself,
     including the cuBLAS layout (contraction padded to 512 with zero data and scale 1), bit for bit."""
-    monkeypatch.setattr(fp8_linear, "_triton_quant", None)  # the reference layout, on any machine
+    monkeypatch.setattr(fp8_ops, "_triton_quant", None)  # the reference layout, on any machine
     w = torch.randn(256, 384) * torch.logspace(-3, 1, 384)  # K=384 and N=256 both need padding to 512
     q = quantize(w, (128, 128), "e4m3", pow2_scale=True)
     gathered = _Fp8GatheredWeight(q.data, q.scale, torch.bfloat16, Fp8Format.E4M3, True)

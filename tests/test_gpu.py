@@ -156,3 +156,56 @@ def test_compiled_model_matches_eager_on_cuda():
         eager = model(input_ids=ids, labels=ids).loss
         compiled = torch.compile(model)(input_ids=ids, labels=ids).loss
     assert torch.isfinite(eager) and abs(float(eager) - float(compiled)) < 1e-2
+
+
+@pytest.mark.parametrize("recipe", ["hybrid", "tensorwise", "rowwise"])
+def test_custom_ops_fake_implementations_match_on_cuda(recipe):
+    """On the GPU the ops' outputs come from the Triton kernels and cuBLAS: their shapes, strides and
+    dtypes must be what the fake implementations (the reference path) tell the compiler."""
+    from fp8train import _fp8_ops
+
+    r = make_recipe(recipe)
+    k = _fp8_ops.operand_key
+    pads = [_fp8_ops._pad_for(True, gm) for gm in (r.output, r.grad_input, r.grad_weight)]
+    x = _activation((1000, 1536), torch.bfloat16).cuda()
+    w = _activation((896, 1536), torch.float32, seed=2).cuda()
+    for make_cols in (True, False):
+        torch.library.opcheck(_fp8_ops._activation_op, (x, k(r.output.a), k(r.grad_weight.b), True, pads[0], pads[2],
+                                                        make_cols, True))
+    torch.library.opcheck(_fp8_ops._weight_op, (w, k(r.output.b), k(r.grad_input.b), True, pads[0], pads[1], True))
+    xr, xr_s, _, _ = _fp8_ops._activation_op(x, k(r.output.a), k(r.grad_weight.b), True, pads[0], pads[2], False, True)
+    wq, wq_s, _, _ = _fp8_ops._weight_op(w, k(r.output.b), k(r.grad_input.b), True, pads[0], pads[1], True)
+    torch.library.opcheck(_fp8_ops._mm_op, (xr, xr_s, wq, wq_s, k(r.output.a), k(r.output.b), torch.bfloat16, True),
+                          test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+@pytest.mark.parametrize("recipe", ["hybrid", "tensorwise"])
+def test_inductor_compiled_fp8_layers_equal_eager_on_cuda(recipe):
+    """Inductor on CUDA around the FP8 custom ops (Triton quantization, cuBLAS GEMMs): one graph, and with
+    no BF16 elementwise op between the layers for inductor to fuse differently, eager's numbers bit for bit."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(1536, 8960, bias=False), torch.nn.Linear(8960, 1536, bias=False)).cuda()
+    convert_to_fp8(m, recipe, module_filter_fn=lambda mod, fqn: True)
+    x = torch.randn(2, 1000, 1536, device="cuda")
+    g = torch.randn(2, 1000, 1536, device="cuda").bfloat16()
+
+    def run(fn):
+        m.zero_grad(set_to_none=True)
+        xr = x.clone().requires_grad_()
+        with torch.autocast("cuda", torch.bfloat16):
+            y = fn(xr)
+        y.backward(g)
+        return [y.detach(), xr.grad] + [p.grad for p in m.parameters()]
+
+    ref = run(m)
+    explain = torch._dynamo.explain(m)(x)
+    assert explain.graph_count == 1 and explain.graph_break_count == 0, explain.break_reasons
+    torch._dynamo.reset()
+    compiled = torch.compile(m)
+    run(compiled)
+    got = run(compiled)
+    for a, b in zip(got, ref):
+        assert torch.equal(a, b)

@@ -23,7 +23,7 @@ import triton.testing
 
 from fp8train import FP8Linear, cache_fp8_weights
 from fp8train import _triton_quant
-from fp8train.linear import _fp8_mm, _quantize_activation, _quantize_weight
+from fp8train._fp8_ops import _fp8_mm, _quantize_activation, _quantize_weight
 from fp8train.recipe import make_recipe
 
 SHAPES = {  # (N, K) = (out_features, in_features)

@@ -38,7 +38,7 @@ class _ServedFp8Linear(torch.nn.Module):
 
     def __init__(self, weight: torch.Tensor, scale_inv: torch.Tensor, bias: torch.Tensor | None, cublas: bool):
         super().__init__()
-        from fp8train.linear import _CONTRACTION_PAD
+        from fp8train._fp8_ops import _CONTRACTION_PAD
         from fp8train.quant import Fp8Tensor
 
         n, k = weight.shape
@@ -50,7 +50,7 @@ class _ServedFp8Linear(torch.nn.Module):
         self.bias = bias
 
     def forward(self, x):
-        from fp8train.linear import _fp8_mm, _quantize_activation
+        from fp8train._fp8_ops import _fp8_mm, _quantize_activation
         from fp8train.recipe import OperandConfig
 
         tile = OperandConfig(Fp8Format.E4M3, (1, 128))

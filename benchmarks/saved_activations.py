@@ -16,11 +16,10 @@ from __future__ import annotations
 import argparse
 
 import torch
+import torch._dynamo
 
 
 def saved_bytes(preset: str, recipe: str, compiled: bool, tokens: int) -> dict:
-    import torch._dynamo
-
     from fp8train import convert_to_fp8
     from fp8train.model import ModelConfig, build_model, decoder_layers
 

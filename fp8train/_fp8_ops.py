@@ -81,6 +81,12 @@ def _is_tile(cfg: OperandConfig) -> bool:
     return cfg.fmt is not None and cfg.block == _TILE
 
 
+def _pad_last(data: Tensor, pad: int) -> Tensor:
+    """FP8 data zero-padded along the last dim to a multiple of `pad`."""
+    extra = -data.shape[1] % pad
+    return F.pad(data.view(torch.uint8), (0, extra)).view(data.dtype) if extra else data  # pad(): no fp8 kernel
+
+
 def _quantize(x2d: Tensor, cfg: OperandConfig, pow2: bool, pad: int) -> Fp8Tensor:
     """Reference quantization of a 2-D operand; pads the contraction (last) dim to `pad` for cuBLAS
     with zero data (scale 1 for added 128-tiles; whole-row and per-tensor scales are unchanged).
@@ -93,7 +99,7 @@ def _quantize(x2d: Tensor, cfg: OperandConfig, pow2: bool, pad: int) -> Fp8Tenso
     data, scale = _quantize_2d(x2d, block, cfg.fmt, pow2)
     extra = -C % pad
     if extra:
-        data = F.pad(data.view(torch.uint8), (0, extra)).view(data.dtype)  # pad() has no fp8 kernel
+        data = _pad_last(data, pad)
         if cfg.block is not None and cfg.block[1] == -1:  # a whole-row block spans the padding too
             block = (block[0], C + extra)
         elif block is not None:
@@ -128,8 +134,9 @@ def _quantize_activation(x2d, rows_cfg: OperandConfig, cols_cfg: OperandConfig, 
     rows = _quantize(x2d, rows_cfg, pow2, rows_pad)
     if not cols:
         return rows, None
-    if rows_cfg == cols_cfg and rows_cfg.block is None and rows_pad == cols_pad == 1:  # per-tensor: transpose-exact
-        return rows, Fp8Tensor(rows.data.t().contiguous(), rows.scale.clone(), None, rows.fmt)
+    if rows_cfg == cols_cfg and rows_cfg.block is None and rows_cfg.fmt is not None:  # per-tensor: transpose-exact
+        cols_data = _pad_last(rows.data[:, :x2d.shape[1]].t().contiguous(), cols_pad)
+        return rows, Fp8Tensor(cols_data, rows.scale.clone(), None, rows.fmt)
     return rows, _quantize(x2d.t(), cols_cfg, pow2, cols_pad)
 
 
@@ -212,12 +219,44 @@ def _fp8_mm(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype, cublas: bool) ->
                        _outer_major(b.scale), ST.BlockWise1x128, output_dtype=out_dtype)
 
 
-# ---------------------------------------------------- the three entry points on (data, scale) tensors
+# ------------------------------------------------------- the entry points on (data, scale) tensors
+# Each runs once per Linear per step on the hot path, compiled or not: the common cuBLAS cases go
+# straight to the Triton kernel or `scaled_mm` with no Fp8Tensor bookkeeping (host time is what limits
+# small models), everything else takes the general path above.
+
+def _block_kind(block) -> str:
+    if block is None:
+        return "tensor"
+    return {(1, 128): "tile", (128, 128): "block", (1, -1): "row"}.get(tuple(block), "other")
+
+
+@functools.lru_cache(maxsize=None)
+def _route(a_key: str, b_key: str) -> str | None:
+    """The cuBLAS call an operand pair takes (what `_cublas_pair` allows), or None: emulated."""
+    a, b = _parse_key(a_key), _parse_key(b_key)
+    if a.fmt is None or b.fmt is None:
+        return None
+    pair = (_block_kind(a.block), _block_kind(b.block))
+    if pair == ("tensor", "tensor"):
+        return None if a.fmt is b.fmt is Fp8Format.E5M2 else "tensor"
+    if not a.fmt is b.fmt is Fp8Format.E4M3:
+        return None
+    return {("row", "row"): "row", ("tile", "block"): "tile_block", ("tile", "tile"): "tile_tile"}.get(pair)
+
 
 def _activation_impl(x: Tensor, rows: str, cols: str, pow2: bool, rows_pad: int, cols_pad: int, make_cols: bool,
                      cublas: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    r, c = _quantize_activation(x, _parse_key(rows), _parse_key(cols), pow2, cublas, (rows_pad, cols_pad), make_cols)
-    return pack_pair(r, c, x)
+    rc, cc = _parse_key(rows), _parse_key(cols)
+    if not (cublas and _triton_quant is not None and _is_tile(rc) and _is_tile(cc)
+            and rows_pad == cols_pad == _CONTRACTION_PAD):
+        r, c = _quantize_activation(x, rc, cc, pow2, cublas, (rows_pad, cols_pad), make_cols)
+        return pack_pair(r, c, x)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    qr, sr, qc, sc = _triton_quant.quantize_tiles_and_transpose(x, rc.fmt, cc.fmt, pow2, rows_pad, cols=make_cols)
+    if not make_cols:  # (the kernel wrote the scales as [blocks, rows]: sr.t() is that buffer)
+        return (qr, sr.t(), *_pack(None, x))
+    return qr, sr.t(), qc, sc.t()
 
 
 def _weight_impl(w: Tensor, key: str, key_t: str, pow2: bool, pad: int, pad_t: int,
@@ -228,8 +267,53 @@ def _weight_impl(w: Tensor, key: str, key_t: str, pow2: bool, pad: int, pad_t: i
 
 def _mm_impl(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor, a_key: str, b_key: str,
              out_dtype: torch.dtype, cublas: bool) -> Tensor:
-    return _fp8_mm(unpack(a, a_scale, a_key), unpack(b, b_scale, b_key), out_dtype, cublas)
+    route = _route(a_key, b_key) if cublas else None
+    if route is None or a.shape[0] % 16 or b.shape[0] % 16:
+        return _fp8_mm(unpack(a, a_scale, a_key), unpack(b, b_scale, b_key), out_dtype, cublas)
+    ST = F.ScalingType
+    a, b = a.contiguous(), b.contiguous()
+    # mat_a a [Ra, C] row-major; mat_b b.t() [C, Rb] column-major (strides (1, C))
+    if route == "tile_block":
+        # scale_a [C/128, Ra].t(): (Ra, C/128) strides (1, Ra); scale_b [Rb/128, C/128].t(): strides (1, C/128)
+        return F.scaled_mm(a, b.t(), a_scale.contiguous().t(), ST.BlockWise1x128, b_scale.contiguous().t(),
+                           ST.BlockWise128x128, output_dtype=out_dtype)
+    if route == "tile_tile":
+        # scale_a (Ra, C/128) strides (1, Ra); scale_b (Rb, C/128) strides (1, Rb)
+        return F.scaled_mm(a, b.t(), a_scale.contiguous().t(), ST.BlockWise1x128, b_scale.contiguous().t(),
+                           ST.BlockWise1x128, output_dtype=out_dtype)
+    if route == "tensor":
+        return F.scaled_mm(a, b.t(), a_scale.reshape(1), ST.TensorWise, b_scale.reshape(1), ST.TensorWise,
+                           output_dtype=out_dtype)
+    # row-wise: one scale per row of each operand (CUTLASS kernel: BF16 output)
+    out = F.scaled_mm(a, b.t(), a_scale.reshape(-1, 1), ST.RowWise, b_scale.reshape(1, -1), ST.RowWise,
+                      output_dtype=torch.bfloat16)
+    return out.to(out_dtype)
 
+
+def _forward_impl(xr: Tensor, xr_s: Tensor, w: Tensor, x_key: str, w_key: str, wt_key: str, pow2: bool, pad: int,
+                  pad_t: int, out_dtype: torch.dtype, cublas: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """`output` GEMM with the weight quantized here: y, and W.T's operand (data, scale) for grad_input."""
+    wq, wq_s, wt, wt_s = _weight_impl(w, w_key, wt_key, pow2, pad, pad_t, cublas)
+    return _mm_impl(xr, xr_s, wq, wq_s, x_key, w_key, out_dtype, cublas), wt, wt_s
+
+
+def _backward_impl(dy: Tensor, wt: Tensor, wt_s: Tensor, xc: Tensor, xc_s: Tensor, g_key: str, gt_key: str,
+                   wt_key: str, xt_key: str, pow2: bool, pad_gi: int, pad_gw: int, want_dx: bool, want_dw: bool,
+                   x_dtype: torch.dtype, cublas: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """grad_output quantized (rows, and cols when dW is wanted), then grad_input and grad_weight (FP32):
+    dx, dw (empty when not wanted) and grad_output's rows operand (data, scale)."""
+    g, g_s, gt, gt_s = _activation_impl(dy, g_key, gt_key, pow2, pad_gi, pad_gw, want_dw, cublas)
+    # grad_input: dx [M, K] = dy [M, Np] @ W.T [K, Np].T
+    dx = _mm_impl(g, g_s, wt, wt_s, g_key, wt_key, x_dtype, cublas) if want_dx else dy.new_empty(0, dtype=x_dtype)
+    # grad_weight: dW [N, K] = dy.T [N, Mp] @ x.T [K, Mp].T
+    dw = (_mm_impl(gt, gt_s, xc, xc_s, gt_key, xt_key, torch.float32, cublas) if want_dw
+          else dy.new_empty(0, dtype=torch.float32))
+    return dx, dw, g, g_s
+
+
+# ------------------------------------------------------------------------------ the custom ops
+# Fake implementations run the reference path on fake tensors (cublas=False): the same shapes, dtypes and
+# (packed, contiguous) strides as the real outputs by construction.
 
 @torch.library.custom_op("fp8train::quantize_activation", mutates_args=())
 def _activation_op(x: Tensor, rows: str, cols: str, pow2: bool, rows_pad: int, cols_pad: int, make_cols: bool,
@@ -239,7 +323,6 @@ def _activation_op(x: Tensor, rows: str, cols: str, pow2: bool, rows_pad: int, c
 
 @_activation_op.register_fake
 def _(x, rows, cols, pow2, rows_pad, cols_pad, make_cols, cublas):
-    # the reference path on fake tensors: the same shapes, dtypes and (packed, contiguous) strides
     return _activation_impl(x, rows, cols, pow2, rows_pad, cols_pad, make_cols, False)
 
 
@@ -265,6 +348,36 @@ def _(a, a_scale, b, b_scale, a_key, b_key, out_dtype, cublas):
     return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
 
 
+@torch.library.custom_op("fp8train::linear_forward", mutates_args=())
+def _forward_op(xr: Tensor, xr_s: Tensor, w: Tensor, x_key: str, w_key: str, wt_key: str, pow2: bool, pad: int,
+                pad_t: int, out_dtype: torch.dtype, cublas: bool) -> tuple[Tensor, Tensor, Tensor]:
+    return _forward_impl(xr, xr_s, w, x_key, w_key, wt_key, pow2, pad, pad_t, out_dtype, cublas)
+
+
+@_forward_op.register_fake
+def _(xr, xr_s, w, x_key, w_key, wt_key, pow2, pad, pad_t, out_dtype, cublas):
+    _, _, wt, wt_s = _weight_impl(w, w_key, wt_key, pow2, pad, pad_t, False)
+    return xr.new_empty((xr.shape[0], w.shape[0]), dtype=out_dtype), wt, wt_s
+
+
+@torch.library.custom_op("fp8train::linear_backward", mutates_args=())
+def _backward_op(dy: Tensor, wt: Tensor, wt_s: Tensor, xc: Tensor, xc_s: Tensor, g_key: str, gt_key: str,
+                 wt_key: str, xt_key: str, pow2: bool, pad_gi: int, pad_gw: int, want_dx: bool, want_dw: bool,
+                 x_dtype: torch.dtype, cublas: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return _backward_impl(dy, wt, wt_s, xc, xc_s, g_key, gt_key, wt_key, xt_key, pow2, pad_gi, pad_gw, want_dx,
+                          want_dw, x_dtype, cublas)
+
+
+@_backward_op.register_fake
+def _(dy, wt, wt_s, xc, xc_s, g_key, gt_key, wt_key, xt_key, pow2, pad_gi, pad_gw, want_dx, want_dw, x_dtype, cublas):
+    g, g_s, _, _ = _activation_impl(dy, g_key, gt_key, pow2, pad_gi, pad_gw, False, False)
+    dx = dy.new_empty((dy.shape[0], wt.shape[0]) if want_dx else (0,), dtype=x_dtype)
+    dw = dy.new_empty((dy.shape[1], xc.shape[0]) if want_dw else (0,), dtype=torch.float32)
+    return dx, dw, g, g_s
+
+
+# ------------------------------------------- what FP8Linear calls: the impl eagerly, the op when compiling
+
 def quantize_activation(*args) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(x, rows_key, cols_key, pow2, rows_pad, cols_pad, make_cols, cublas) -> rows data, scale, cols data, scale."""
     return (_activation_op if torch.compiler.is_compiling() else _activation_impl)(*args)
@@ -278,3 +391,14 @@ def quantize_weight(*args) -> tuple[Tensor, Tensor, Tensor, Tensor]:
 def fp8_mm(*args) -> Tensor:
     """(a, a_scale, b, b_scale, a_key, b_key, out_dtype, cublas) -> a @ b.T."""
     return (_mm_op if torch.compiler.is_compiling() else _mm_impl)(*args)
+
+
+def linear_forward(*args) -> tuple[Tensor, Tensor, Tensor]:
+    """(x rows data, scale, w, x_key, w_key, wt_key, pow2, pad, pad_t, out_dtype, cublas) -> y, W.T data, scale."""
+    return (_forward_op if torch.compiler.is_compiling() else _forward_impl)(*args)
+
+
+def linear_backward(*args) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dy, W.T data, scale, x.T data, scale, keys g, g_t, w_t, x_t, pow2, pad_gi, pad_gw, want_dx, want_dw,
+    x_dtype, cublas) -> dx, dW (FP32), grad_output rows data, scale."""
+    return (_backward_op if torch.compiler.is_compiling() else _backward_impl)(*args)

@@ -28,8 +28,7 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import _fp8_ops as ops
-from ._fp8_ops import (_CONTRACTION_PAD, _fp8_mm, _pad_for, _quantize_activation,  # noqa: F401 (re-exported)
-                       _quantize_weight, operand_key, unpack)
+from ._fp8_ops import _pad_for, operand_key, unpack
 from .quant import Fp8Tensor
 from .recipe import Fp8Recipe, make_recipe
 
@@ -89,15 +88,21 @@ class _Plan:
 
 
 class _Fp8LinearFn(torch.autograd.Function):
-    """y = x @ W.T + b from FP8 operands the caller made (quantized now, or taken from a cache):
-    x_* = rows of x and (if a grad_weight will be needed) cols of x.T, w_* = W and W.T, each (data, scale).
-    The forward saves the FP8 W.T and x.T for backward, which quantizes grad_output in both layouts."""
+    """y = x @ W.T + b from FP8 operands: x_* = rows of x and (if a grad_weight will be needed) cols of x.T,
+    made by the caller (quantized now, or taken from the input cache); w_* = W and W.T, pre-made (the step's
+    cache, FSDP's FP8 all-gather) or None, and then quantized here, in one op with the GEMM. Forward saves
+    the FP8 W.T and x.T; backward is one op: grad_output quantized in both layouts, then both GEMMs."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, xr, xr_s, xc, xc_s, w, w_s, wt, wt_s, plan: _Plan, cublas: bool,
                 out_dtype: torch.dtype, health: dict | None):
+        p = plan
         # output: y [M, N] = x [M, Kp] @ W [N, Kp].T
-        y = ops.fp8_mm(xr, xr_s, w, w_s, plan.x, plan.w, out_dtype, cublas)
+        if wt is None:
+            y, wt, wt_s = ops.linear_forward(xr, xr_s, weight.detach(), p.x, p.w, p.w_t, p.pow2, p.pad(0, cublas),
+                                             p.pad(1, cublas), out_dtype, cublas)
+        else:
+            y = ops.fp8_mm(xr, xr_s, w, w_s, p.x, p.w, out_dtype, cublas)
         if bias is not None:
             y = y + bias.to(out_dtype)
         # save_for_backward (not ctx attributes) so activation checkpointing can drop and recompute them
@@ -112,21 +117,16 @@ class _Fp8LinearFn(torch.autograd.Function):
         p, cublas = ctx.plan, ctx.cublas
         wt, wt_s, xc, xc_s = ctx.saved_tensors
         dy2d = dy.reshape(-1, dy.shape[-1])
+        want_dx = ctx.needs_input_grad[0]
         want_dw = ctx.needs_input_grad[1] and xc.numel() > 0  # no cols copy: no grad_weight was planned
-        g, g_s, gt, gt_s = ops.quantize_activation(dy2d, p.g, p.g_t, p.pow2, p.pad(1, cublas), p.pad(2, cublas),
-                                                   want_dw, cublas)
+        dx, dw, g, g_s = ops.linear_backward(dy2d, wt, wt_s, xc, xc_s, p.g, p.g_t, p.w_t, p.x_t, p.pow2,
+                                             p.pad(1, cublas), p.pad(2, cublas), want_dx, want_dw, ctx.x_dtype, cublas)
         if ctx.health is not None:
             ctx.health["grad_output"] = _health(dy2d, unpack(g, g_s, p.g))
-        dx = dw = db = None
-        if ctx.needs_input_grad[0]:
-            # grad_input: dx [M, K] = dy [M, Np] @ W.T [K, Np].T
-            dx = ops.fp8_mm(g, g_s, wt, wt_s, p.g, p.w_t, ctx.x_dtype, cublas).view(ctx.x_shape)
-        if want_dw:
-            # grad_weight: dW [N, K] = dy.T [N, Mp] @ x.T [K, Mp].T, FP32 out
-            dw = ops.fp8_mm(gt, gt_s, xc, xc_s, p.g_t, p.x_t, torch.float32, cublas).to(ctx.w_dtype)
+        db = None
         if ctx.b_dtype is not None and ctx.needs_input_grad[2]:
             db = dy2d.float().sum(0).to(ctx.b_dtype)
-        return (dx, dw, db) + (None,) * 12
+        return (dx.view(ctx.x_shape) if want_dx else None, dw.to(ctx.w_dtype) if want_dw else None, db) + (None,) * 12
 
 
 class FP8Linear(nn.Linear):
@@ -162,15 +162,16 @@ class FP8Linear(nn.Linear):
         new.train(linear.training)
         return new
 
-    def _quantize_weight(self, weight: torch.Tensor, cublas: bool) -> tuple[torch.Tensor, ...]:
-        """(W data, scale, W.T data, scale), from the FP8 all-gather, the step's cache, or quantized now."""
+    def _weight_operands(self, weight: torch.Tensor, cublas: bool, lazy: bool = True) -> tuple | None:
+        """(W data, scale, W.T data, scale) from FSDP's FP8 all-gather or the step's cache; None when `lazy`
+        and neither applies: the forward then quantizes the weight in one op with its GEMM."""
         p = self._plan
         gathered = getattr(weight, "fp8_operands", None)
         if gathered is not None:  # FSDP all-gathered it already in FP8 (fp8train._fsdp_fp8): use those blocks
             return ops.pack_pair(*gathered(self.recipe, cublas), weight)
         args = (weight.detach(), p.w, p.w_t, p.pow2, p.pad(0, cublas), p.pad(1, cublas), cublas)
         if not self._cache_weight or torch.compiler.is_compiling():
-            return ops.quantize_weight(*args)
+            return None if lazy else ops.quantize_weight(*args)
         key = (weight.data_ptr(), weight._version, weight.dtype, cublas, id(self.recipe))
         if self._weight_cache is None or self._weight_cache[0] != key:
             self._weight_cache = None  # free the stale copies before making new ones
@@ -212,11 +213,12 @@ class FP8Linear(nn.Linear):
         dev = x.device.type
         out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
         xq = self._quantize_input(x, x2d, cublas, grad_weight)
-        wq = self._quantize_weight(self.weight, cublas)
+        wq = self._weight_operands(self.weight, cublas, lazy=self._health is None)
         if self._health is not None:
             p = self._plan
             self._health["input"] = _health(x2d, unpack(xq[0], xq[1], p.x))
             self._health["weight"] = _health(self.weight.detach(), unpack(wq[0], wq[1], p.w))
+        wq = wq or (None,) * 4
         return _Fp8LinearFn.apply(x, self.weight, self.bias, *xq, *wq, self._plan, cublas, out_dtype, self._health)
 
     def extra_repr(self) -> str:

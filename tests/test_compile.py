@@ -43,8 +43,17 @@ def test_custom_ops_fake_implementations_match(recipe, pads):
     xr, xr_s, _, _ = _fp8_ops._activation_op(x, kx, kxt, True, *pads, False, False)
     wq, wq_s, _, _ = _fp8_ops._weight_op(w, kw, kwt, True, *pads, False)
     # (test_schema compares inputs before/after with ops that have no FP8 kernel on CPU)
-    torch.library.opcheck(_fp8_ops._mm_op, (xr, xr_s, wq, wq_s, kx, kw, torch.bfloat16, False),
-                          test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
+    fp8_in = ("test_faketensor", "test_aot_dispatch_dynamic")
+    torch.library.opcheck(_fp8_ops._mm_op, (xr, xr_s, wq, wq_s, kx, kw, torch.bfloat16, False), test_utils=fp8_in)
+    torch.library.opcheck(_fp8_ops._forward_op, (xr, xr_s, w, kx, kw, kwt, True, *pads[:2], torch.bfloat16, False),
+                          test_utils=fp8_in)
+    _, wt, wt_s = _fp8_ops._forward_op(xr, xr_s, w, kx, kw, kwt, True, *pads[:2], torch.bfloat16, False)
+    _, _, xc, xc_s = _fp8_ops._activation_op(x, kx, kxt, True, *pads, True, False)
+    dy = torch.randn(200, 256, generator=g).bfloat16()
+    kg, kgt = _fp8_ops.operand_key(r.grad_input.a), _fp8_ops.operand_key(r.grad_weight.a)
+    for want_dx, want_dw in ((True, True), (True, False), (False, True)):
+        torch.library.opcheck(_fp8_ops._backward_op, (dy, wt, wt_s, xc, xc_s, kg, kgt, kwt, kxt, True, *pads, want_dx,
+                                                      want_dw, torch.bfloat16, False), test_utils=fp8_in)
 
 
 def test_ops_never_return_an_input_or_one_storage_twice():

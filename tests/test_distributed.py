@@ -21,7 +21,6 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from fp8train import Fp8Format, convert_to_fp8, make_recipe, quantize
 from fp8train import _fp8_ops as fp8_ops
-from fp8train import linear as fp8_linear
 from fp8train._fsdp_fp8 import _Fp8GatheredWeight, _Fp8ShardedWeight, fp8_gather_blocker, unwrap
 from fp8train.distributed import (DistributedConfig, ParallelInfo, all_reduce_sum, apply_fsdp, destroy,
                                   gather_full_state_dict, init_distributed, is_sharded_checkpoint, load_sharded,
@@ -134,8 +133,8 @@ def _gathered_blocks_match(model, report, info) -> dict:
             mod = model.get_submodule(fqn)
             w, master = mod.weight, full[f"{fqn}.weight"]
             ref = quantize(master, (128, 128), "e4m3", pow2_scale=True)
-            ops = mod._quantize_weight(w, False)  # (W data, scale, W.T data, scale)
-            ref_ops = fp8_ops.pack_pair(*fp8_linear._quantize_weight(master, mod.recipe, False), master)
+            ops = mod._weight_operands(w, False)  # (W data, scale, W.T data, scale)
+            ref_ops = fp8_ops.pack_pair(*fp8_ops._quantize_weight(master, mod.recipe, False), master)
             result[fqn] = {
                 "type": type(w).__name__,
                 "data": torch.equal(w._data.view(torch.uint8), ref.data.view(torch.uint8)),
@@ -444,7 +443,7 @@ def test_gathered_weight_gives_fp8linear_its_operands(monkeypatch, cublas):
     q = quantize(w, (128, 128), "e4m3", pow2_scale=True)
     gathered = _Fp8GatheredWeight(q.data, q.scale, torch.bfloat16, Fp8Format.E4M3, True)
     recipe = make_recipe("hybrid")
-    ops, ref = gathered.fp8_operands(recipe, cublas), fp8_linear._quantize_weight(w, recipe, cublas)
+    ops, ref = gathered.fp8_operands(recipe, cublas), fp8_ops._quantize_weight(w, recipe, cublas)
     for a, b in zip(ops, ref):
         assert a.data.shape == b.data.shape and a.block == b.block == (128, 128)
         assert torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8)) and torch.equal(a.scale, b.scale)

@@ -175,8 +175,18 @@ def test_custom_ops_fake_implementations_match_on_cuda(recipe):
     torch.library.opcheck(_fp8_ops._weight_op, (w, k(r.output.b), k(r.grad_input.b), True, pads[0], pads[1], True))
     xr, xr_s, _, _ = _fp8_ops._activation_op(x, k(r.output.a), k(r.grad_weight.b), True, pads[0], pads[2], False, True)
     wq, wq_s, _, _ = _fp8_ops._weight_op(w, k(r.output.b), k(r.grad_input.b), True, pads[0], pads[1], True)
+    fp8_in = ("test_faketensor", "test_aot_dispatch_dynamic")
     torch.library.opcheck(_fp8_ops._mm_op, (xr, xr_s, wq, wq_s, k(r.output.a), k(r.output.b), torch.bfloat16, True),
-                          test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
+                          test_utils=fp8_in)
+    fwd = (xr, xr_s, w, k(r.output.a), k(r.output.b), k(r.grad_input.b), True, pads[0], pads[1], torch.bfloat16, True)
+    torch.library.opcheck(_fp8_ops._forward_op, fwd, test_utils=fp8_in)
+    _, wt, wt_s = _fp8_ops._forward_op(*fwd)
+    _, _, xc, xc_s = _fp8_ops._activation_op(x, k(r.output.a), k(r.grad_weight.b), True, pads[0], pads[2], True, True)
+    dy = _activation((1000, 896), torch.bfloat16, seed=3).cuda()
+    for want_dx, want_dw in ((True, True), (True, False), (False, True)):
+        torch.library.opcheck(_fp8_ops._backward_op, (dy, wt, wt_s, xc, xc_s, k(r.grad_input.a), k(r.grad_weight.a),
+                                                      k(r.grad_input.b), k(r.grad_weight.b), True, pads[1], pads[2],
+                                                      want_dx, want_dw, torch.bfloat16, True), test_utils=fp8_in)
 
 
 @pytest.mark.parametrize("recipe", ["hybrid", "tensorwise"])

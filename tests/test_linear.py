@@ -10,7 +10,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from fp8train import FP8Linear, dequantize, quantize
-from fp8train.linear import _quantize_activation
+from fp8train._fp8_ops import _quantize_activation
 from fp8train.recipe import make_recipe
 
 THRESHOLD_DB = {"hybrid": 25.0, "rowwise": 25.0, "tensorwise": 19.0}

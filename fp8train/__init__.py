@@ -6,7 +6,7 @@ training, data, export and evaluation layers load on first use, so `import fp8tr
 
 import importlib
 
-from .convert import ConversionReport, cache_fp8_weights, convert_to_fp8, summarize_fp8_health, track_fp8_health
+from .convert import ConversionReport, cache_fp8_weights, compile_options, convert_to_fp8, summarize_fp8_health, track_fp8_health
 from .linear import FP8Linear
 from .quant import Fp8Tensor, dequantize, quantize
 from .recipe import Fp8Format, Fp8Recipe, RecipeName, make_recipe
@@ -29,7 +29,7 @@ _LAZY = {
 
 __all__ = [
     "ConversionReport", "FP8Linear", "Fp8Format", "Fp8Recipe", "Fp8Tensor", "RecipeName",
-    "cache_fp8_weights", "convert_to_fp8", "dequantize", "make_recipe", "quantize", "summarize_fp8_health", "track_fp8_health",
+    "cache_fp8_weights", "compile_options", "convert_to_fp8", "dequantize", "make_recipe", "quantize", "summarize_fp8_health", "track_fp8_health",
     *_LAZY,
 ]
 

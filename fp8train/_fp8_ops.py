@@ -4,10 +4,15 @@
     quantize_weight      W [N, K]  -> W and W.T, each FP8 data + scale
     fp8_mm               a, b      -> a @ b.T with FP32 accumulation (cuBLAS `scaled_mm`, or emulated)
 
-Each is also a torch custom op (`torch.ops.fp8train.*`) with a shape-only fake implementation. Eager calls
-go straight to the Python implementation (no dispatcher cost); under torch.compile they go through the ops,
-so a compiled decoder layer is one graph with no break at its Linears (inductor fuses everything around
-them), and AOTAutograd's CSE merges the identical quantizations of the input that q/k/v and gate/up share.
+plus `linear_forward` (weight quantization + output GEMM) and `linear_backward` (grad_output quantization +
+grad_input and grad_weight GEMMs). Eager calls go straight to the Python implementation (no dispatcher cost).
+Under torch.compile a decoder layer is one graph with no break at its Linears, two ways:
+- on CUDA the implementation is traced: the Triton kernels enter the graph as triton_ops
+  (`fp8train::quantize_tiles`, `quantize_blocks`) and the GEMMs as `scaled_mm`, so inductor launches them
+  from its generated code, with no Python between them at run time (host time limits small models);
+- elsewhere (CPU, emulated GEMMs) each piece is an opaque custom op (`torch.ops.fp8train.*`) with a
+  shape-only fake implementation, so the compiler cannot rewrite the reference arithmetic.
+Either way AOTAutograd's CSE merges the identical quantizations of the input that q/k/v and gate/up share.
 
 At the op boundary an operand is a (data, scale) pair of contiguous tensors plus its `OperandConfig` as a
 string key ("e4m3:1x128", "e5m2:tensor", "bf16" for a high-precision operand). A 1x128 scale travels as
@@ -46,12 +51,19 @@ def operand_key(cfg: OperandConfig) -> str:
     return f"{cfg.fmt.value}:{block}"
 
 
-@functools.lru_cache(maxsize=None)
-def _parse_key(key: str) -> OperandConfig:
+def _parse(key: str) -> OperandConfig:
     if key == "bf16":
         return OperandConfig(None, None)
     fmt, _, block = key.partition(":")
     return OperandConfig(Fp8Format(fmt), None if block == "tensor" else tuple(int(b) for b in block.split("x")))
+
+
+_parse_cached = functools.lru_cache(maxsize=None)(_parse)
+
+
+def _parse_key(key: str) -> OperandConfig:
+    # cached on the eager hot path; a compiler runs it once at trace time (and warns on an lru_cache)
+    return _parse(key) if torch.compiler.is_compiling() else _parse_cached(key)
 
 
 def _pack(q: Fp8Tensor | None, like: Tensor) -> tuple[Tensor, Tensor]:
@@ -118,6 +130,23 @@ def _pad_for(cublas: bool, gemm: GemmConfig) -> int:
     return _CONTRACTION_PAD if blockwise else 16
 
 
+def _tiles(x2d: Tensor, rows_fmt: Fp8Format, cols_fmt: Fp8Format, pow2: bool, pad: int,
+           cols: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The Triton activation kernel: rows data, scale [Kp/128, M], cols data, scale [Mp/128, K] (packed;
+    no cols: empty). Under torch.compile its triton_op, which inductor sees into and launches itself."""
+    if torch.compiler.is_compiling():
+        return _triton_quant.quantize_tiles_op(x2d, rows_fmt.dtype, cols_fmt.dtype, pow2, pad, cols)
+    qr, sr, qc, sc = _triton_quant.quantize_tiles_and_transpose(x2d, rows_fmt, cols_fmt, pow2, pad, cols=cols)
+    return (qr, sr.t(), qc, sc.t()) if cols else (qr, sr.t(), *_pack(None, x2d))
+
+
+def _blocks(w: Tensor, fmt: Fp8Format, pow2: bool, pad: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The Triton weight kernel (its triton_op under torch.compile): data, data.T, scale [N/128, Kp/128]."""
+    if torch.compiler.is_compiling():
+        return _triton_quant.quantize_blocks_op(w, fmt.dtype, pow2, pad)
+    return _triton_quant.quantize_blocks_and_transpose(w, fmt, pow2, pad)
+
+
 def _quantize_activation(x2d, rows_cfg: OperandConfig, cols_cfg: OperandConfig, pow2: bool, cublas: bool,
                          pads: tuple[int, int], cols: bool = True):
     """FP8 copies of an activation x [M, K]: rows (blocks of x) and cols (blocks of x.T), each padded
@@ -128,9 +157,8 @@ def _quantize_activation(x2d, rows_cfg: OperandConfig, cols_cfg: OperandConfig, 
         x2d = x2d.contiguous()
     if (cublas and _triton_quant is not None and _is_tile(rows_cfg) and _is_tile(cols_cfg)
             and rows_pad == cols_pad == _CONTRACTION_PAD):
-        qr, sr, qc, sc = _triton_quant.quantize_tiles_and_transpose(x2d, rows_cfg.fmt, cols_cfg.fmt, pow2, rows_pad,
-                                                                    cols=cols)
-        return Fp8Tensor(qr, sr, _TILE, rows_cfg.fmt), Fp8Tensor(qc, sc, _TILE, cols_cfg.fmt) if cols else None
+        qr, sr, qc, sc = _tiles(x2d, rows_cfg.fmt, cols_cfg.fmt, pow2, rows_pad, cols)
+        return Fp8Tensor(qr, sr.t(), _TILE, rows_cfg.fmt), Fp8Tensor(qc, sc.t(), _TILE, cols_cfg.fmt) if cols else None
     rows = _quantize(x2d, rows_cfg, pow2, rows_pad)
     if not cols:
         return rows, None
@@ -148,7 +176,7 @@ def _quantize_weight_cfg(w: Tensor, cfg: OperandConfig, cfg_t: OperandConfig, po
         w = w.contiguous()
     if (cublas and _triton_quant is not None and cfg.fmt is not None and cfg.block == (128, 128) and cfg_t == cfg
             and pad == pad_t == _CONTRACTION_PAD):
-        q, qt, s = _triton_quant.quantize_blocks_and_transpose(w, cfg.fmt, pow2, pad)
+        q, qt, s = _blocks(w, cfg.fmt, pow2, pad)
         kb = -(-w.shape[1] // 128)
         st = F.pad(s.t()[:kb], (0, qt.shape[1] // 128 - s.shape[0]), value=1.0)
         return Fp8Tensor(q, s, (128, 128), cfg.fmt), Fp8Tensor(qt, st.contiguous(), (128, 128), cfg.fmt)
@@ -194,6 +222,32 @@ def _cublas_pair(a: Fp8Tensor, b: Fp8Tensor) -> bool:
     return (pair == ("row", "row") and e4m3) or (pair in {("tile", "block"), ("tile", "tile")} and e4m3)
 
 
+def _scaled_mm(a: Tensor, b: Tensor, scale_a: Tensor, recipe_a, scale_b: Tensor, recipe_b, out_dtype) -> Tensor:
+    """`F.scaled_mm`; while compiling, the aten op it calls, directly: Dynamo (torch 2.11) does not trace
+    `torch._scaled_mm_v2`, and each GEMM would break the graph."""
+    if not torch.compiler.is_compiling():
+        return F.scaled_mm(a, b, scale_a, recipe_a, scale_b, recipe_b, output_dtype=out_dtype)
+    block = F.ScalingType.BlockWise128x128.value  # ints: Dynamo cannot compare the pybind enums
+    if (recipe_b.value == block and b.shape[1] % 128) or (recipe_a.value == block and a.shape[0] % 128):
+        # torch 2.11's shape check of the aten op floors a partial 128-block that cuBLAS takes (a dim
+        # such as 64): such GEMMs stay an opaque op (no real model has one; test models do)
+        return _scaled_mm_op(a, b, scale_a, recipe_a.value, scale_b, recipe_b.value, out_dtype)
+    return torch.ops.aten._scaled_mm_v2.default(a, b, [scale_a], [recipe_a.value], [], [scale_b], [recipe_b.value],
+                                                [], None, out_dtype)
+
+
+@torch.library.custom_op("fp8train::scaled_mm", mutates_args=())
+def _scaled_mm_op(a: Tensor, b: Tensor, scale_a: Tensor, recipe_a: int, scale_b: Tensor, recipe_b: int,
+                  out_dtype: torch.dtype) -> Tensor:
+    ST = F.ScalingType
+    return F.scaled_mm(a, b, scale_a, ST(recipe_a), scale_b, ST(recipe_b), output_dtype=out_dtype)
+
+
+@_scaled_mm_op.register_fake
+def _(a, b, scale_a, recipe_a, scale_b, recipe_b, out_dtype):
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+
+
 def _fp8_mm(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype, cublas: bool) -> Tensor:
     """a @ b.T with a [Ra, C] and b [Rb, C] in FP8, FP32 accumulation, output in out_dtype."""
     if not cublas or a.data.shape[0] % 16 or b.data.shape[0] % 16 or not _cublas_pair(a, b):
@@ -204,19 +258,19 @@ def _fp8_mm(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype, cublas: bool) ->
     ST = F.ScalingType
     # mat_a [Ra, C] row-major; mat_b = b.data.t(): [C, Rb] column-major (strides (1, C)).
     if a.block is None and b.block is None:
-        return F.scaled_mm(a.data, b.data.t(), a.scale.reshape(1), ST.TensorWise, b.scale.reshape(1),
-                           ST.TensorWise, output_dtype=out_dtype)
+        return _scaled_mm(a.data, b.data.t(), a.scale.reshape(1), ST.TensorWise, b.scale.reshape(1),
+                          ST.TensorWise, out_dtype)
     if a.block != _TILE:  # row-wise: one scale per row of each operand (CUTLASS kernel: BF16 output)
-        out = F.scaled_mm(a.data, b.data.t(), a.scale.reshape(-1, 1), ST.RowWise, b.scale.reshape(1, -1),
-                          ST.RowWise, output_dtype=torch.bfloat16)
+        out = _scaled_mm(a.data, b.data.t(), a.scale.reshape(-1, 1), ST.RowWise, b.scale.reshape(1, -1),
+                         ST.RowWise, torch.bfloat16)
         return out.to(out_dtype)
     if b.block == (128, 128):
         # scale_a (Ra, C/128) strides (1, Ra); scale_b (C/128, Rb/128) strides (1, C/128)
-        return F.scaled_mm(a.data, b.data.t(), _outer_major(a.scale), ST.BlockWise1x128,
-                           b.scale.contiguous().t(), ST.BlockWise128x128, output_dtype=out_dtype)
+        return _scaled_mm(a.data, b.data.t(), _outer_major(a.scale), ST.BlockWise1x128,
+                          b.scale.contiguous().t(), ST.BlockWise128x128, out_dtype)
     # both 1x128: scale_a (Ra, C/128) strides (1, Ra); scale_b (Rb, C/128) strides (1, Rb)
-    return F.scaled_mm(a.data, b.data.t(), _outer_major(a.scale), ST.BlockWise1x128,
-                       _outer_major(b.scale), ST.BlockWise1x128, output_dtype=out_dtype)
+    return _scaled_mm(a.data, b.data.t(), _outer_major(a.scale), ST.BlockWise1x128,
+                      _outer_major(b.scale), ST.BlockWise1x128, out_dtype)
 
 
 # ------------------------------------------------------- the entry points on (data, scale) tensors
@@ -230,9 +284,12 @@ def _block_kind(block) -> str:
     return {(1, 128): "tile", (128, 128): "block", (1, -1): "row"}.get(tuple(block), "other")
 
 
-@functools.lru_cache(maxsize=None)
 def _route(a_key: str, b_key: str) -> str | None:
     """The cuBLAS call an operand pair takes (what `_cublas_pair` allows), or None: emulated."""
+    return _find_route(a_key, b_key) if torch.compiler.is_compiling() else _route_cached(a_key, b_key)
+
+
+def _find_route(a_key: str, b_key: str) -> str | None:
     a, b = _parse_key(a_key), _parse_key(b_key)
     if a.fmt is None or b.fmt is None:
         return None
@@ -244,6 +301,9 @@ def _route(a_key: str, b_key: str) -> str | None:
     return {("row", "row"): "row", ("tile", "block"): "tile_block", ("tile", "tile"): "tile_tile"}.get(pair)
 
 
+_route_cached = functools.lru_cache(maxsize=None)(_find_route)
+
+
 def _activation_impl(x: Tensor, rows: str, cols: str, pow2: bool, rows_pad: int, cols_pad: int, make_cols: bool,
                      cublas: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     rc, cc = _parse_key(rows), _parse_key(cols)
@@ -251,12 +311,7 @@ def _activation_impl(x: Tensor, rows: str, cols: str, pow2: bool, rows_pad: int,
             and rows_pad == cols_pad == _CONTRACTION_PAD):
         r, c = _quantize_activation(x, rc, cc, pow2, cublas, (rows_pad, cols_pad), make_cols)
         return pack_pair(r, c, x)
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    qr, sr, qc, sc = _triton_quant.quantize_tiles_and_transpose(x, rc.fmt, cc.fmt, pow2, rows_pad, cols=make_cols)
-    if not make_cols:  # (the kernel wrote the scales as [blocks, rows]: sr.t() is that buffer)
-        return (qr, sr.t(), *_pack(None, x))
-    return qr, sr.t(), qc, sc.t()
+    return _tiles(x if x.stride(1) == 1 else x.contiguous(), rc.fmt, cc.fmt, pow2, rows_pad, make_cols)
 
 
 def _weight_impl(w: Tensor, key: str, key_t: str, pow2: bool, pad: int, pad_t: int,
@@ -275,18 +330,18 @@ def _mm_impl(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor, a_key: str,
     # mat_a a [Ra, C] row-major; mat_b b.t() [C, Rb] column-major (strides (1, C))
     if route == "tile_block":
         # scale_a [C/128, Ra].t(): (Ra, C/128) strides (1, Ra); scale_b [Rb/128, C/128].t(): strides (1, C/128)
-        return F.scaled_mm(a, b.t(), a_scale.contiguous().t(), ST.BlockWise1x128, b_scale.contiguous().t(),
-                           ST.BlockWise128x128, output_dtype=out_dtype)
+        return _scaled_mm(a, b.t(), a_scale.contiguous().t(), ST.BlockWise1x128, b_scale.contiguous().t(),
+                          ST.BlockWise128x128, out_dtype)
     if route == "tile_tile":
         # scale_a (Ra, C/128) strides (1, Ra); scale_b (Rb, C/128) strides (1, Rb)
-        return F.scaled_mm(a, b.t(), a_scale.contiguous().t(), ST.BlockWise1x128, b_scale.contiguous().t(),
-                           ST.BlockWise1x128, output_dtype=out_dtype)
+        return _scaled_mm(a, b.t(), a_scale.contiguous().t(), ST.BlockWise1x128, b_scale.contiguous().t(),
+                          ST.BlockWise1x128, out_dtype)
     if route == "tensor":
-        return F.scaled_mm(a, b.t(), a_scale.reshape(1), ST.TensorWise, b_scale.reshape(1), ST.TensorWise,
-                           output_dtype=out_dtype)
+        return _scaled_mm(a, b.t(), a_scale.reshape(1), ST.TensorWise, b_scale.reshape(1), ST.TensorWise,
+                          out_dtype)
     # row-wise: one scale per row of each operand (CUTLASS kernel: BF16 output)
-    out = F.scaled_mm(a, b.t(), a_scale.reshape(-1, 1), ST.RowWise, b_scale.reshape(1, -1), ST.RowWise,
-                      output_dtype=torch.bfloat16)
+    out = _scaled_mm(a, b.t(), a_scale.reshape(-1, 1), ST.RowWise, b_scale.reshape(1, -1), ST.RowWise,
+                     torch.bfloat16)
     return out.to(out_dtype)
 
 
@@ -376,29 +431,37 @@ def _(dy, wt, wt_s, xc, xc_s, g_key, gt_key, wt_key, xt_key, pow2, pad_gi, pad_g
     return dx, dw, g, g_s
 
 
-# ------------------------------------------- what FP8Linear calls: the impl eagerly, the op when compiling
+# ------------------------------------------------------------------------------- what FP8Linear calls
+# Eagerly: the impl, no dispatcher. Compiling on CUDA (cublas, the last argument): the impl too, traced, so
+# its Triton kernels (triton_ops) and cuBLAS GEMMs are nodes of the graph and inductor launches them from its
+# own code, with no Python op call per Linear at run time. Compiling anywhere else: the opaque op, whose
+# reference arithmetic the compiler must not rewrite (eager and compiled agree bit for bit).
+
+def _pick(op, impl, cublas: bool):
+    return op if torch.compiler.is_compiling() and not cublas else impl
+
 
 def quantize_activation(*args) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(x, rows_key, cols_key, pow2, rows_pad, cols_pad, make_cols, cublas) -> rows data, scale, cols data, scale."""
-    return (_activation_op if torch.compiler.is_compiling() else _activation_impl)(*args)
+    return _pick(_activation_op, _activation_impl, args[-1])(*args)
 
 
 def quantize_weight(*args) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(w, key, key_t, pow2, pad, pad_t, cublas) -> W data, scale, W.T data, scale."""
-    return (_weight_op if torch.compiler.is_compiling() else _weight_impl)(*args)
+    return _pick(_weight_op, _weight_impl, args[-1])(*args)
 
 
 def fp8_mm(*args) -> Tensor:
     """(a, a_scale, b, b_scale, a_key, b_key, out_dtype, cublas) -> a @ b.T."""
-    return (_mm_op if torch.compiler.is_compiling() else _mm_impl)(*args)
+    return _pick(_mm_op, _mm_impl, args[-1])(*args)
 
 
 def linear_forward(*args) -> tuple[Tensor, Tensor, Tensor]:
     """(x rows data, scale, w, x_key, w_key, wt_key, pow2, pad, pad_t, out_dtype, cublas) -> y, W.T data, scale."""
-    return (_forward_op if torch.compiler.is_compiling() else _forward_impl)(*args)
+    return _pick(_forward_op, _forward_impl, args[-1])(*args)
 
 
 def linear_backward(*args) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dy, W.T data, scale, x.T data, scale, keys g, g_t, w_t, x_t, pow2, pad_gi, pad_gw, want_dx, want_dw,
     x_dtype, cublas) -> dx, dW (FP32), grad_output rows data, scale."""
-    return (_backward_op if torch.compiler.is_compiling() else _backward_impl)(*args)
+    return _pick(_backward_op, _backward_impl, args[-1])(*args)

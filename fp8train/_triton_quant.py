@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .recipe import Fp8Format
+
 _TILE = 128
 _NUM_WARPS = 8
 _FP32_TINY = tl.constexpr(1.1754943508222875e-38)
@@ -82,14 +84,15 @@ def _inverse(s, POW2: tl.constexpr):
 
 
 @triton.jit
-def _quant(x, s, inv, FMT_MAX: tl.constexpr, OUT_DTYPE: tl.constexpr, POW2: tl.constexpr):
+def _quant(x, s, inv, FMT_MAX: tl.constexpr, POW2: tl.constexpr):
+    """x / s in FP32, within the format's range: the value the store converts to the output's dtype."""
     x = x.to(tl.float32)
     if POW2:
         # x * 2^-e rounds exactly as x / 2^e; Inf scale -> 0 (Inf/NaN elements -> NaN), NaN -> NaN
-        return (x * inv).to(OUT_DTYPE)
+        return x * inv
     q = tl.div_rn(x, s)  # IEEE-rounded, as torch's x / scale (plain `/` is approximate)
     clipped = tl.minimum(tl.maximum(q, -FMT_MAX), FMT_MAX)
-    return tl.where(q != q, q, clipped).to(OUT_DTYPE)  # NaN stays NaN, as torch.clamp keeps it
+    return tl.where(q != q, q, clipped)  # NaN stays NaN, as torch.clamp keeps it
 
 
 @triton.jit
@@ -97,8 +100,7 @@ def _act_kernel(
     x_ptr, M, K, stride_xm,
     qr_ptr, sr_ptr, Kp,        # rows copy [M, Kp], scales [Kp/128, M]
     qc_ptr, sc_ptr, Mp,        # cols copy [K, Mp], scales [Mp/128, K]
-    ROW_MAX: tl.constexpr, ROW_DTYPE: tl.constexpr,
-    COL_MAX: tl.constexpr, COL_DTYPE: tl.constexpr,
+    ROW_MAX: tl.constexpr, COL_MAX: tl.constexpr,  # the copies' dtypes are their pointers'
     POW2: tl.constexpr, COLS: tl.constexpr, BF16: tl.constexpr, BLOCK: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -117,13 +119,13 @@ def _act_kernel(
     if COLS:
         s_c = _scale_from_amax_bits(_amax_bits(ax, 0, BF16), COL_MAX, POW2)  # one per (feature, 128 tokens)
 
-    q_r = _quant(x, s_r[:, None], _inverse(s_r, POW2)[:, None], ROW_MAX, ROW_DTYPE, POW2)
-    tl.store(qr_ptr + offs_m[:, None] * Kp + offs_k[None, :], q_r,
+    q_r = _quant(x, s_r[:, None], _inverse(s_r, POW2)[:, None], ROW_MAX, POW2)
+    tl.store(qr_ptr + offs_m[:, None] * Kp + offs_k[None, :], q_r.to(qr_ptr.dtype.element_ty),
              mask=in_m[:, None] & (offs_k < Kp)[None, :])
     tl.store(sr_ptr + pid_k * M + offs_m, s_r, mask=in_m & (pid_k * BLOCK < Kp))
 
     if COLS:  # the cols copy is stored transposed, [K, Mp]
-        q_c = _quant(x, s_c[None, :], _inverse(s_c, POW2)[None, :], COL_MAX, COL_DTYPE, POW2)
+        q_c = _quant(x, s_c[None, :], _inverse(s_c, POW2)[None, :], COL_MAX, POW2).to(qc_ptr.dtype.element_ty)
         tl.store(qc_ptr + offs_k[:, None] * Mp + offs_m[None, :], tl.trans(q_c),
                  mask=in_k[:, None] & (offs_m < Mp)[None, :])
         tl.store(sc_ptr + pid_m * K + offs_k, s_c, mask=in_k & (pid_m * BLOCK < Mp))
@@ -135,7 +137,7 @@ def _weight_kernel(
     q_ptr, Kp,                 # [N, Kp]
     qt_ptr, Np,                # [K, Np]
     s_ptr, KB,                 # [ceil(N/128), Kp/128]
-    FMT_MAX: tl.constexpr, DTYPE: tl.constexpr, POW2: tl.constexpr, BF16: tl.constexpr, BLOCK: tl.constexpr,
+    FMT_MAX: tl.constexpr, POW2: tl.constexpr, BF16: tl.constexpr, BLOCK: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -151,7 +153,7 @@ def _weight_kernel(
     # IEEE division also for power-of-two scales (exact, the same numbers as the multiply): with the multiply
     # the transposed store below came out wrong on the H200 (Triton 3.6; seen 2026-12-02, cause not found).
     # One weight quantization per optimizer step: this kernel is not on the hot path.
-    q = _quant(w, s, s, FMT_MAX, DTYPE, False)
+    q = _quant(w, s, s, FMT_MAX, False).to(q_ptr.dtype.element_ty)
     tl.store(q_ptr + offs_n[:, None] * Kp + offs_k[None, :], q, mask=in_n[:, None] & (offs_k < Kp)[None, :])
     tl.store(qt_ptr + offs_k[:, None] * Np + offs_n[None, :], tl.trans(q), mask=in_k[:, None] & (offs_n < Np)[None, :])
     if pid_n * BLOCK < N:
@@ -162,11 +164,19 @@ def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
+def _launcher(kernel, traced: bool):
+    # under torch.compile the launch is recorded for inductor (which then starts the kernel from its own
+    # generated code); eagerly it is Triton's own launch
+    return torch.library.wrap_triton(kernel) if traced else kernel
+
+
 def quantize_tiles_and_transpose(x2d, row_fmt, col_fmt, pow2: bool, pad: int, cols: bool = True,
-                                 num_warps: int = _NUM_WARPS):
+                                 num_warps: int = _NUM_WARPS, _traced: bool = False):
     """x2d [M, K] -> (rows data [M, Kp], rows scale view (M, Kp/128) with strides (1, M),
     cols data [K, Mp], cols scale view (K, Mp/128) with strides (1, K)); Kp, Mp = round_up(., pad).
-    `cols=False` skips the transposed copy (no backward will need it) and returns None for it."""
+    `cols=False` skips the transposed copy (no backward will need it) and returns None for it.
+    A format is anything with `.dtype` (of the copy) and `.max` (an FP32 dtype gives the values before
+    the FP8 conversion: the CPU interpreter checks use it)."""
     M, K = x2d.shape
     Kp, Mp = _round_up(K, pad), _round_up(M, pad)
     dev = x2d.device
@@ -179,9 +189,8 @@ def quantize_tiles_and_transpose(x2d, row_fmt, col_fmt, pow2: bool, pad: int, co
     else:  # dummies: the kernel compiles the cols store out
         qc, sc, m_tiles = qr, sr, -(-M // _TILE)
     grid = (m_tiles, -(-max(Kp, K) // _TILE))
-    _act_kernel[grid](
-        x2d, M, K, x2d.stride(0), qr, sr, Kp, qc, sc, Mp,
-        ROW_MAX=row_fmt.max, ROW_DTYPE=_tl_dtype(row_fmt.dtype), COL_MAX=col_fmt.max, COL_DTYPE=_tl_dtype(col_fmt.dtype),
+    _launcher(_act_kernel, _traced)[grid](
+        x2d, M, K, x2d.stride(0), qr, sr, Kp, qc, sc, Mp, ROW_MAX=row_fmt.max, COL_MAX=col_fmt.max,
         POW2=pow2, COLS=cols, BF16=x2d.dtype == torch.bfloat16, BLOCK=_TILE, num_warps=num_warps,
     )
     if not cols:
@@ -189,7 +198,7 @@ def quantize_tiles_and_transpose(x2d, row_fmt, col_fmt, pow2: bool, pad: int, co
     return qr, sr.t(), qc, sc.t()
 
 
-def quantize_blocks_and_transpose(w, fmt, pow2: bool, pad: int, num_warps: int = _NUM_WARPS):
+def quantize_blocks_and_transpose(w, fmt, pow2: bool, pad: int, num_warps: int = _NUM_WARPS, _traced: bool = False):
     """w [N, K] -> (data [N, Kp], data.T [K, Np], scale [ceil(N/128), Kp/128] row-major)."""
     N, K = w.shape
     Kp, Np = _round_up(K, pad), _round_up(N, pad)
@@ -198,13 +207,31 @@ def quantize_blocks_and_transpose(w, fmt, pow2: bool, pad: int, num_warps: int =
     qt = torch.empty(K, Np, dtype=fmt.dtype, device=dev)
     NB, KB = -(-max(N, Np) // _TILE), Kp // _TILE
     s = torch.empty(-(-N // _TILE), KB, dtype=torch.float32, device=dev)
-    _weight_kernel[(NB, max(KB, -(-K // _TILE)))](
+    _launcher(_weight_kernel, _traced)[(NB, max(KB, -(-K // _TILE)))](
         w, N, K, w.stride(0), q, Kp, qt, Np, s, KB,
-        FMT_MAX=fmt.max, DTYPE=_tl_dtype(fmt.dtype), POW2=pow2, BF16=w.dtype == torch.bfloat16, BLOCK=_TILE,
-        num_warps=num_warps,
+        FMT_MAX=fmt.max, POW2=pow2, BF16=w.dtype == torch.bfloat16, BLOCK=_TILE, num_warps=num_warps,
     )
     return q, qt, s
 
 
-def _tl_dtype(dtype: torch.dtype):
-    return tl.float8e4nv if dtype == torch.float8_e4m3fn else tl.float8e5
+# ------------------------------------------------------------------------ the same, as torch ops
+# torch.compile traces into a triton_op: inductor sees the kernel launch itself (no Python op call per
+# launch at run time). Scales come back as contiguous [blocks, rows] buffers; no cols copy: empty tensors.
+
+_FORMATS = {f.dtype: f for f in Fp8Format}
+
+
+@torch.library.triton_op("fp8train::quantize_tiles", mutates_args=())
+def quantize_tiles_op(x2d: torch.Tensor, row_dtype: torch.dtype, col_dtype: torch.dtype, pow2: bool, pad: int,
+                      cols: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    qr, sr, qc, sc = quantize_tiles_and_transpose(x2d, _FORMATS[row_dtype], _FORMATS[col_dtype], pow2, pad, cols,
+                                                  _traced=True)
+    if not cols:
+        return qr, sr.t(), x2d.new_empty(0, dtype=torch.uint8), x2d.new_empty(0, dtype=torch.float32)
+    return qr, sr.t(), qc, sc.t()
+
+
+@torch.library.triton_op("fp8train::quantize_blocks", mutates_args=())
+def quantize_blocks_op(w: torch.Tensor, dtype: torch.dtype, pow2: bool,
+                       pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return quantize_blocks_and_transpose(w, _FORMATS[dtype], pow2, pad, _traced=True)

@@ -9,9 +9,12 @@ grad clipping) on the same random tokens from the same initial weights; only the
   torchao-tensorwise,  torchao.float8.convert_to_float8_training (LM head left in BF16), when torchao
   torchao-rowwise      is importable
 `compiled` applies torch.compile to each decoder layer, for every variant alike (the trainer's
-`train.compile`). Step time is the median of the timed steps after the warm-up; peak memory is
-torch.cuda.max_memory_allocated over the timed steps. Ratios are to BF16 at the same model, length and
-mode, measured in the same process. `--profile` adds the CUDA kernel time of one step by category.
+`train.compile`); `cudagraphs` also replays each layer as CUDA graphs (`train.cuda_graphs`). Step time
+is the median of the timed steps after the warm-up; peak memory is torch.cuda.max_memory_allocated over
+the timed steps (with cudagraphs over all steps: the graphs' pool is allocated while recording). Ratios
+are to BF16 at the same model, length and mode, measured in the same process. `--profile` adds the CUDA
+kernel time of one step by category (under cudagraphs FP8 GEMMs count as gemm: a replayed kernel has no
+`scaled_mm` op above it).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ __all__ = ["BenchCase", "run_case", "categorize_profile", "markdown_table", "mai
 
 BF16_PEAK = 989.0  # dense TFLOP/s, H100/H200 SXM datasheet; MFU is against it for every variant
 VARIANTS = ("bf16", "hybrid", "tensorwise", "torchao-tensorwise", "torchao-rowwise")
+MODES = ("eager", "compiled", "cudagraphs")
 
 _KERNEL_CATEGORIES = [  # (category, regex on the CUDA kernel name), first match wins
     ("quantization", r"_act_kernel|_weight_kernel"),
@@ -55,8 +59,9 @@ class BenchCase:
     """Tokens per sequence (batch 1)."""
     variant: str
     """One of VARIANTS."""
-    compiled: bool
-    """torch.compile per decoder layer."""
+    mode: str
+    """One of MODES: eager, compiled (torch.compile per decoder layer) or cudagraphs (compiled, and each
+    layer's graphs replayed as CUDA graphs)."""
     vocab: int | None = None
     """Embedding rows; None: the preset's (presets sized by a tokenizer get Qwen2.5's 151,936)."""
 
@@ -121,14 +126,16 @@ def run_case(case: BenchCase, *, steps: int = 5, warmup: int = 2, device: str = 
                       run_dir=tempfile.mkdtemp(prefix=f"fp8train-bench-{case.variant}-"), resume="none",
                       device=device, recipe=recipe, model=mcfg,
                       optim=OptimConfig(lr=1e-5, min_lr=1e-6, schedule="constant"),
-                      train=LoopConfig(steps=steps + warmup, global_batch=1, micro_batch=1, compile=case.compiled,
+                      train=LoopConfig(steps=steps + warmup, global_batch=1, micro_batch=1, compile=case.mode != "eager",
+                                       cuda_graphs=case.mode == "cudagraphs",
                                        activation_checkpointing=activation_checkpointing))
     trainer = Trainer(cfg, model=model, train_data=rows, val_data=None, progress=False)
     cuda = device == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     times, losses = [], []
     for i in range(warmup + steps):
-        if i == warmup and cuda:
+        # CUDA graphs allocate their memory pool while recording, in the warm-up: their peak spans it
+        if cuda and i == (0 if case.mode == "cudagraphs" else warmup):
             torch.cuda.reset_peak_memory_stats()
         batches = trainer._micro_batches(next(trainer._batches))
         sync()
@@ -140,7 +147,7 @@ def run_case(case: BenchCase, *, steps: int = 5, warmup: int = 2, device: str = 
     step_s = statistics.median(times[warmup:])
     tflops = flops_per_token(model.config, seq) * seq / step_s / 1e12
     res = {"model": case.model, "layers": model.config.num_hidden_layers, "seq": seq, "variant": case.variant,
-           "compiled": case.compiled, "step_ms": step_s * 1e3, "tokens_per_s": seq / step_s, "tflops": tflops,
+           "mode": case.mode, "step_ms": step_s * 1e3, "tokens_per_s": seq / step_s, "tflops": tflops,
            "mfu_bf16_peak": tflops / BF16_PEAK, "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda
            else float("nan"), "loss_first": losses[0], "loss_last": losses[-1],
            "fp8_layers": len(trainer.fp8_report.converted), "first_step_s": times[0],
@@ -163,7 +170,7 @@ def run_case(case: BenchCase, *, steps: int = 5, warmup: int = 2, device: str = 
 
 def _base(results: list[dict], r: dict) -> dict | None:
     return next((b for b in results if b["variant"] == "bf16" and all(b[k] == r[k] for k in
-                 ("model", "layers", "seq", "compiled"))), None)
+                 ("model", "layers", "seq", "mode"))), None)
 
 
 def markdown_table(results: list[dict]) -> str:
@@ -173,7 +180,7 @@ def markdown_table(results: list[dict]) -> str:
         b = _base(results, r)
         sp = f"{b['step_ms'] / r['step_ms']:.3f}" if b else "-"
         mem = f"{r['peak_mem_gib'] / b['peak_mem_gib']:.3f}" if b else "-"
-        lines.append(f"| {r['model']} | {r['layers']} | {r['seq']} | {'compiled' if r['compiled'] else 'eager'} | "
+        lines.append(f"| {r['model']} | {r['layers']} | {r['seq']} | {r['mode']} | "
                      f"{r['variant']} | {r['step_ms']:.1f} | {r['tokens_per_s']:,.0f} | {r['tflops']:.0f} | "
                      f"{r['mfu_bf16_peak']:.1%} | {r['peak_mem_gib']:.1f} | {sp} | {mem} | "
                      f"{r['loss_first']:.3f} / {r['loss_last']:.3f}"
@@ -186,7 +193,7 @@ def markdown_table(results: list[dict]) -> str:
                   "| model | seq | mode | variant | " + " | ".join(cats) + " |", "|" + "---|" * (len(cats) + 4)]
         for r in profiled:
             p = r["profile_ms"]
-            lines.append(f"| {r['model']}/{r['layers']} | {r['seq']} | {'compiled' if r['compiled'] else 'eager'} | "
+            lines.append(f"| {r['model']}/{r['layers']} | {r['seq']} | {r['mode']} | "
                          f"{r['variant']} | " + " | ".join(f"{p.get(c, 0.0):.1f}" for c in cats) + " |")
     return "\n".join(lines)
 
@@ -204,7 +211,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--seq", type=int, nargs="+", default=[8192])
     p.add_argument("--vocab", type=int, default=None, help="embedding rows (default: the preset's)")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
-    p.add_argument("--modes", nargs="+", default=["compiled"], choices=("eager", "compiled"))
+    p.add_argument("--modes", nargs="+", default=["compiled"], choices=MODES,
+                   help="compiled: torch.compile per layer; cudagraphs: also CUDA graphs (no per-kernel launch cost)")
     p.add_argument("--steps", type=int, default=5, help="timed steps (median)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens here)")
     p.add_argument("--ac", action="store_true", help="activation checkpointing (every variant)")
@@ -225,7 +233,7 @@ def main(args: argparse.Namespace | list[str] | None = None) -> int:
         for seq in args.seq:
             for mode in args.modes:
                 for variant in args.variants:
-                    case = BenchCase(name, layers, seq, variant, mode == "compiled", args.vocab)
+                    case = BenchCase(name, layers, seq, variant, mode, args.vocab)
                     try:
                         r = run_case(case, steps=args.steps, warmup=args.warmup, device=args.device,
                                      profile=args.profile, activation_checkpointing=args.ac)

@@ -67,6 +67,10 @@ class LoopConfig:
     compile: bool = False
     """torch.compile each decoder layer; its FP8 Linears trace into the layer's graph (no graph break).
     The fastest setting on a GPU (docs/benchmarks.md); the first steps pay for compilation."""
+    cuda_graphs: bool = False
+    """With compile, on CUDA: replay each compiled layer as CUDA graphs (inductor's cudagraphs, as in
+    mode="reduce-overhead"), so the host no longer launches every kernel: FP8 layers launch about three
+    times BF16's kernels, which bounds short sequences by the CPU. Needs fixed shapes (packed CPT data)."""
     max_nonfinite_steps: int = 3
     """Stop with an error after this many NaN/Inf steps in a row (each is skipped: no optimizer update)."""
 
@@ -117,6 +121,8 @@ class TrainConfig:
             raise ConfigError(f"config key 'train.epochs' must be > 0, got {t.epochs}")
         if t.keep_last is not None and t.keep_last < 1:
             raise ConfigError(f"config key 'train.keep_last' must be >= 1 or null, got {t.keep_last}")
+        if t.cuda_graphs and not t.compile:
+            raise ConfigError("config key 'train.cuda_graphs' needs 'train.compile': true (it graphs the compiled layers)")
         per_step = t.micro_batch * world_size
         if t.global_batch % per_step:
             raise ConfigError(

@@ -18,8 +18,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .linear import FP8Linear
 from .recipe import Fp8Recipe, make_recipe
 
-__all__ = ["ConversionReport", "convert_to_fp8", "cache_fp8_weights", "track_fp8_health", "summarize_fp8_health",
-           "DECODER_PROJECTIONS"]
+__all__ = ["ConversionReport", "convert_to_fp8", "compile_options", "cache_fp8_weights", "track_fp8_health",
+           "summarize_fp8_health", "DECODER_PROJECTIONS"]
 
 DECODER_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -80,6 +80,17 @@ def convert_to_fp8(
             setattr(parent, child, FP8Linear.from_linear(module, recipe, input_cache))
             report.converted.append(fqn)
     return report
+
+
+def compile_options() -> dict:
+    """Inductor options for torch.compile of a converted model or layer: `layer.compile(options=...)`.
+
+    They add a joint-graph pass that quantizes an input once for all the FP8 Linears that read it (q/k/v,
+    gate/up), as eager mode does; without it a compiled layer on CUDA quantizes (and saves for the
+    backward) those inputs once per Linear. Harmless for a model without FP8 Linears."""
+    from ._inductor_pass import _ShareQuantization
+
+    return {"joint_custom_pre_pass": _ShareQuantization()}
 
 
 @contextlib.contextmanager

@@ -137,8 +137,9 @@ class FP8Linear(nn.Linear):
     trainer wraps each optimizer step's micro-batches in it) the FP8 copies of the weight are made once
     and reused; outside it every forward re-quantizes the current weight.
 
-    Under torch.compile the layer traces into the surrounding graph (the quantization kernels and GEMMs
-    are custom ops): no graph break, no eager caches; the weight is quantized once per forward there.
+    Under torch.compile the layer traces into the surrounding graph (on CUDA down to the Triton kernels and
+    `scaled_mm`, elsewhere as custom ops): no graph break, no eager caches; the weight is quantized once
+    per forward there.
     """
 
     def __init__(self, in_features, out_features, bias=True, recipe="hybrid", device=None, dtype=None):

@@ -16,6 +16,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .convert import compile_options
+
 __all__ = ["ModelConfig", "PRESETS", "build_model", "load_model_tokenizer", "parallelize_model", "decoder_layers"]
 
 log = logging.getLogger(__name__)
@@ -201,13 +203,15 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 
 
 def parallelize_model(model: nn.Module, *, activation_checkpointing: bool = False, compile: bool = False,
-                      shard: Callable[[nn.Module], None] | None = None) -> nn.Module:
+                      cuda_graphs: bool = False, shard: Callable[[nn.Module], None] | None = None) -> nn.Module:
     """Apply the parallelisms, in place, in the one order that composes:
 
     1. activation checkpointing: HF gradient checkpointing around each decoder layer (non-reentrant,
        so it nests under compile and FSDP2);
     2. torch.compile of each decoder layer (`Module.compile` keeps parameter names, so checkpoints
-       and exports do not see `_orig_mod`);
+       and exports do not see `_orig_mod`), with `compile_options()` (one input quantization per FP8
+       GEMM input) and, with `cuda_graphs`, inductor's CUDA graphs (the caller marks each step's
+       start with `torch.compiler.cudagraph_mark_step_begin`);
     3. `shard(model)`: the seam for FSDP2 (`fully_shard` per decoder layer, then the root), run last
        so that it wraps the checkpointed, compiled layers. A single process passes None.
 
@@ -220,8 +224,9 @@ def parallelize_model(model: nn.Module, *, activation_checkpointing: bool = Fals
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     if compile:
+        options = compile_options() | ({"triton.cudagraphs": True} if cuda_graphs else {})
         for layer in decoder_layers(model):
-            layer.compile()
+            layer.compile(options=options)
     if shard is not None:
         shard(model)
     return model

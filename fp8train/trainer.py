@@ -134,7 +134,7 @@ class Trainer:
         self.model.to(self.device)
         self.fp8_report = convert_to_fp8(self.model, make_recipe(cfg.recipe, pow2_scale=cfg.pow2_scale))
         parallelize_model(self.model, activation_checkpointing=cfg.train.activation_checkpointing,
-                          compile=cfg.train.compile, shard=self.world.shard)
+                          compile=cfg.train.compile, cuda_graphs=cfg.train.cuda_graphs, shard=self.world.shard)
         self.model.train()
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, self.total_steps)
@@ -225,6 +225,7 @@ class Trainer:
         Returns (loss, grad_norm, fp8 health stats). The loss is the global per-token mean.
         """
         world = self.world
+        self._mark_step()
         n_targets = world.all_reduce_sum(sum(_count_targets(b) for b in batches).to(self.device))
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
@@ -257,6 +258,11 @@ class Trainer:
         self.scheduler.step()  # a skipped step keeps its place in the schedule
         return loss, grad_norm, health
 
+    def _mark_step(self) -> None:
+        """Tell CUDA graphs a new step begins: its replays may reuse the memory of the last step's outputs."""
+        if self.cfg.train.cuda_graphs:
+            torch.compiler.cudagraph_mark_step_begin()
+
     @torch.no_grad()
     def evaluate(self) -> float | None:
         """Mean per-token loss over the validation split (at most `train.eval_batches` micro-batches)."""
@@ -274,6 +280,7 @@ class Trainer:
         for idx in chunks:
             batch = self._to_device(collate([self.val_data[i] for i in idx]))
             n = _count_targets(batch)
+            self._mark_step()
             with self._autocast():
                 out = self.model(**batch, num_items_in_batch=n)
             total += out.loss.double() * n

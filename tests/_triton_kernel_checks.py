@@ -22,7 +22,6 @@ from types import SimpleNamespace
 
 import torch
 import triton
-import triton.language as tl
 
 from fp8train import _triton_quant as tq
 from fp8train.quant import compute_scale
@@ -60,13 +59,12 @@ def _inputs():
 
 
 def interpret() -> dict:
-    tq._tl_dtype = lambda dtype: tl.float32  # write the pre-conversion values
     failures = []
     for name, x in _inputs():
         M, K = x.shape
         for f in ("e4m3", "e5m2"):
             fmt = Fp8Format.parse(f)
-            fake = SimpleNamespace(dtype=torch.float32, max=fmt.max)
+            fake = SimpleNamespace(dtype=torch.float32, max=fmt.max)  # FP32 copies: the pre-conversion values
             for pow2 in (True, False):
                 rr, rs = _pre_conversion(x, fmt, pow2)
                 cr, cs = _pre_conversion(x.t(), fmt, pow2)
@@ -119,12 +117,11 @@ def compile_sm90() -> dict:
                  Np="i32", s_ptr="*fp32", KB="i32")
     out = {}
     for cols in (True, False):
-        consts = dict(ROW_MAX=448.0, ROW_DTYPE=tl.float8e4nv, COL_MAX=448.0, COL_DTYPE=tl.float8e4nv, POW2=True,
-                      COLS=cols, BF16=True, BLOCK=128)
+        consts = dict(ROW_MAX=448.0, COL_MAX=448.0, POW2=True, COLS=cols, BF16=True, BLOCK=128)
         k = triton.compile(ASTSource(tq._act_kernel, act_sig, consts, aligned), target=target,
                            options={"num_warps": tq._NUM_WARPS})
         out[f"activation cols={cols}"] = _resources(k)
-    consts = dict(FMT_MAX=448.0, DTYPE=tl.float8e4nv, POW2=True, BF16=False, BLOCK=128)
+    consts = dict(FMT_MAX=448.0, POW2=True, BF16=False, BLOCK=128)
     k = triton.compile(ASTSource(tq._weight_kernel, w_sig, consts, aligned), target=target,
                        options={"num_warps": tq._NUM_WARPS})
     out["weight"] = _resources(k)

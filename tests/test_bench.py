@@ -43,7 +43,7 @@ def test_profile_counts_kernels_once_and_splits_fp8_gemms():
     assert p["fp8 gemm"] == pytest.approx(3.0) and p["bf16/fp32 gemm"] == pytest.approx(5.0)
     assert p["quantization"] == 1.0 and p["attention"] == 2.0 and p["optimizer"] == 0.5
     assert p["norms and elementwise"] == 0.25 and p["total"] == pytest.approx(11.75)
-    table = markdown_table([{"model": "m", "layers": 1, "seq": 8, "variant": "bf16", "compiled": False, "step_ms": 2.0,
+    table = markdown_table([{"model": "m", "layers": 1, "seq": 8, "variant": "bf16", "mode": "eager", "step_ms": 2.0,
                              "tokens_per_s": 4.0, "tflops": 1.0, "mfu_bf16_peak": 0.1, "peak_mem_gib": 1.0,
                              "loss_first": 1.0, "loss_last": 0.5, "profile_ms": p}])
     assert "| 3.0 | 5.0 | 1.0 | 2.0 | 0.2 | 0.5 | 0.0 | 11.8 |" in table

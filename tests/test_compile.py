@@ -5,13 +5,14 @@ implementations against the real ones, which is what makes a compiled graph's bu
 """
 
 import collections
+import operator
 
 import pytest
 import torch
 import torch._dynamo
 from torch._subclasses.fake_tensor import FakeTensor
 
-from fp8train import _fp8_ops, convert_to_fp8
+from fp8train import _fp8_ops, compile_options, convert_to_fp8
 from fp8train.model import ModelConfig, build_model, decoder_layers
 from fp8train.recipe import make_recipe
 
@@ -181,3 +182,61 @@ def test_inductor_compiled_model_trains_like_eager():
     assert losses["eager"][-1] < losses["eager"][0] - 0.1  # it trains
     for a, b in zip(losses["inductor"], losses["eager"]):
         assert abs(a - b) < 2e-2 * abs(b), losses
+
+
+def _kernel_graph(kernels, reads, clone_inputs=False):
+    """A graph of functional Triton kernel nodes: node i runs kernels[i] on its own view of placeholder
+    reads[i] (as each Linear views its input), with M=64 as its constant and one fresh output buffer; the
+    output returns every node's buffer. clone_inputs: list the input in tensors_to_clone as well, as
+    torch 2.11's mutation analysis does."""
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table, triton_kernel_wrapper_functional
+
+    g = torch.fx.Graph()
+    xs = {name: g.placeholder(name) for name in sorted(set(reads))}
+    outs = []
+    for kernel, read in zip(kernels, reads):
+        buf = g.call_function(torch.ops.aten.empty.memory_format, ([64, 128],), {"dtype": torch.float8_e4m3fn})
+        buf.meta["val"] = torch.empty(64, 128, dtype=torch.float8_e4m3fn, device="meta")
+        node = g.call_function(triton_kernel_wrapper_functional, (), {
+            "kernel_idx": kernel_side_table.add_kernel(kernel),
+            "constant_args_idx": kernel_side_table.add_constant_args({"M": 64}),
+            "grid": [(1, 1, 1)], "tma_descriptor_metadata": {},
+            "kwargs": {"x_ptr": g.call_function(torch.ops.aten.view.default, (xs[read], [64, 128])), "q_ptr": buf},
+            "tensors_to_clone": ["x_ptr", "q_ptr"] if clone_inputs else ["q_ptr"]})
+        outs.append(g.call_function(operator.getitem, (node, "q_ptr")))
+    g.output(tuple(outs))
+    return g
+
+
+@pytest.mark.parametrize("clone_inputs", [False, True])
+def test_share_quantization_pass_merges_only_our_kernels_on_the_same_input(clone_inputs):
+    """The joint-graph pass of compile_options(): fp8train kernel nodes that read the same tensor with the
+    same constants collapse to the first (q/k/v on one hidden state); another input or a foreign kernel
+    stays, and so does a kernel on another tensor of the same shape (two weights of one shape are not one),
+    also when the inputs are listed as cloned; the merged node's buffer is gone and every output still has
+    a producer."""
+    from torch._higher_order_ops.triton_kernel_wrap import triton_kernel_wrapper_functional
+
+    def ours():
+        pass
+
+    def theirs():
+        pass
+
+    class Kernel:  # a JITFunction's shape: the Python function in .fn; hashed by identity
+        def __init__(self, fn):
+            self.fn = fn
+
+    ours.__module__ = "fp8train._triton_quant"
+    ours_k, theirs_k = Kernel(ours), Kernel(theirs)
+    g = _kernel_graph([ours_k, ours_k, ours_k, ours_k, theirs_k, theirs_k], ["h", "h", "h", "mlp", "h", "h"],
+                      clone_inputs)
+    compile_options()["joint_custom_pre_pass"](g)
+    g.lint()
+    kernels = [n for n in g.nodes if n.target is triton_kernel_wrapper_functional]
+    reads = [(n.kwargs["kwargs"]["x_ptr"].args[0].name, n.kwargs["kernel_idx"]) for n in kernels]
+    assert len(kernels) == 4, reads  # q/k/v merged into one; the MLP input and both foreign ones kept
+    assert sum(n.target is torch.ops.aten.empty.memory_format for n in g.nodes) == 4
+    producers = [a.args[0] for a in next(n for n in g.nodes if n.op == "output").args[0]]
+    assert producers[0] is producers[1] is producers[2] and producers[3] is not producers[0]
+    assert producers[4] is not producers[5]

@@ -115,6 +115,12 @@ def test_global_batch_must_divide():
     cfg.validate(world_size=3)
 
 
+def test_cuda_graphs_need_compile():
+    with pytest.raises(ConfigError, match=r"'train.cuda_graphs' needs 'train.compile'"):
+        load_config(None, CPT + ["train.cuda_graphs=true"])
+    assert load_config(None, CPT + ["train.cuda_graphs=true", "train.compile=true"]).train.cuda_graphs
+
+
 def test_missing_and_inconsistent_sections():
     with pytest.raises(ConfigError, match="missing required config section 'data'"):
         load_config(None, ["train.steps=3"])

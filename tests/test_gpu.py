@@ -7,7 +7,7 @@ GEMMs must match the CPU emulation up to FP32 summation order and the BF16 outpu
 import pytest
 import torch
 
-from fp8train import FP8Linear, convert_to_fp8, make_recipe, quantize
+from fp8train import FP8Linear, compile_options, convert_to_fp8, make_recipe, quantize
 from fp8train.recipe import Fp8Format
 
 cuda_sm90 = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
@@ -144,6 +144,9 @@ def test_emulate_flag_and_no_grad_path_on_cuda():
 
 
 def test_compiled_model_matches_eager_on_cuda():
+    """The model compiled as the trainer compiles it (compile_options(): q/k/v and gate/up share one input
+    quantization) gives eager's loss and gradients: a quantization shared between Linears that do not read
+    the same tensor would leave some weight's gradient unrelated to eager's (SQNR near 0 dB)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
@@ -152,10 +155,19 @@ def test_compiled_model_matches_eager_on_cuda():
     model = Qwen2ForCausalLM(cfg).cuda()
     convert_to_fp8(model, "hybrid")
     ids = torch.randint(0, 1024, (2, 256), device="cuda")
-    with torch.autocast("cuda", torch.bfloat16):
-        eager = model(input_ids=ids, labels=ids).loss
-        compiled = torch.compile(model)(input_ids=ids, labels=ids).loss
+
+    def run(fn):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", torch.bfloat16):
+            loss = fn(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad.float() for n, p in model.named_parameters()}
+
+    eager, eager_grads = run(model)
+    compiled, compiled_grads = run(torch.compile(model, options=compile_options()))
     assert torch.isfinite(eager) and abs(float(eager) - float(compiled)) < 1e-2
+    for name, g in eager_grads.items():
+        assert _sqnr(compiled_grads[name], g) > 20, name
 
 
 @pytest.mark.parametrize("recipe", ["hybrid", "tensorwise", "rowwise"])
@@ -189,7 +201,7 @@ def test_custom_ops_fake_implementations_match_on_cuda(recipe):
                                                       want_dx, want_dw, torch.bfloat16, True), test_utils=fp8_in)
 
 
-@pytest.mark.parametrize("recipe", ["hybrid", "tensorwise"])
+@pytest.mark.parametrize("recipe", ["hybrid", "tensorwise", "rowwise"])
 def test_inductor_compiled_fp8_layers_equal_eager_on_cuda(recipe):
     """Inductor on CUDA around the FP8 custom ops (Triton quantization, cuBLAS GEMMs): one graph, and with
     no BF16 elementwise op between the layers for inductor to fuse differently, eager's numbers bit for bit."""
@@ -219,3 +231,56 @@ def test_inductor_compiled_fp8_layers_equal_eager_on_cuda(recipe):
     got = run(compiled)
     for a, b in zip(got, ref):
         assert torch.equal(a, b)
+
+
+def test_compiled_model_launches_the_fp8_kernels_from_inductor_code():
+    """On CUDA the FP8 pieces are traced into the graph: inductor's generated code launches the Triton
+    quantization kernels and the scaled_mm GEMMs itself (no fp8train custom op, so no Python per Linear at
+    run time), and with compile_options() q/k/v and gate/up share one quantization of their input (4 per
+    layer, not 7)."""
+    import re
+
+    import torch._dynamo
+    from torch._inductor.utils import run_and_get_code
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    model = Qwen2ForCausalLM(cfg).cuda()
+    convert_to_fp8(model, "hybrid")
+    compiled = torch.compile(model, options=compile_options())
+    ids = torch.randint(0, 1024, (1, 512), device="cuda")
+
+    def step():
+        with torch.autocast("cuda", torch.bfloat16):
+            loss = compiled(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss
+
+    _, codes = run_and_get_code(step)
+    code = "\n".join(codes)
+    counts = {name: len(re.findall(rf"\b{name}\w*\.run\(", code)) for name in ("_act_kernel", "_weight_kernel")}
+    assert "fp8train." not in code, "an opaque fp8train op is left in the compiled code"
+    # forward: inputs of q/k/v (one), o, gate/up (one), down; backward: the 7 grad_outputs
+    assert counts == {"_act_kernel": 4 + 7, "_weight_kernel": 7}, counts
+    assert len(re.findall(r"_scaled_mm", code)) >= 21, "7 Linears x 3 GEMMs on cuBLAS"
+
+
+def test_cuda_graphs_replay_the_compiled_fp8_step():
+    """`train.cuda_graphs`: the trainer's compiled FP8 step replayed as CUDA graphs (no graph skipped for
+    a reason such as a CPU tensor or a mutated input) trains to the same losses as plain compiled."""
+    from torch._dynamo.utils import counters
+
+    from fp8train.bench import BenchCase, run_case
+
+    runs = {}
+    for mode in ("compiled", "cudagraphs"):
+        counters.clear()
+        runs[mode] = run_case(BenchCase("tiny-qwen2", None, 256, "hybrid", mode, 512), steps=3, warmup=2, device="cuda")
+        if mode == "cudagraphs":
+            assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
+    assert runs["compiled"]["fp8_layers"] > 0
+    for key in ("loss_first", "loss_last"):
+        assert abs(runs["compiled"][key] - runs["cudagraphs"][key]) < 1e-5, (key, runs)

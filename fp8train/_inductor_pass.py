@@ -27,7 +27,8 @@ def _is_ours(kernel) -> bool:
 
 
 def _is_fresh(node) -> bool:
-    """An uninitialized buffer (a kernel's output) rather than data the kernel reads."""
+    """An uninitialized buffer (a kernel's output) rather than data the kernel reads. Missing one here
+    only loses a merge: an unrecognized buffer counts by value, like data."""
     aten = torch.ops.aten
     return isinstance(node, torch.fx.Node) and node.target in (aten.empty.memory_format, aten.empty_strided.default)
 
@@ -74,7 +75,7 @@ def _key(node: torch.fx.Node, rep: dict):
         else:
             args.append((name, rep[value] if isinstance(value, torch.fx.Node) else repr(value)))
     return (kw["kernel_idx"], repr(sorted(constants.items())), repr(kw["grid"]),
-            repr(kw["tma_descriptor_metadata"]), tuple(args))
+            repr(kw["tma_descriptor_metadata"]), tuple(sorted(kw["tensors_to_clone"])), tuple(args))
 
 
 class _ShareQuantization(CustomGraphPass):

@@ -12,7 +12,9 @@ Under torch.compile a decoder layer is one graph with no break at its Linears, t
   from its generated code, with no Python between them at run time (host time limits small models);
 - elsewhere (CPU, emulated GEMMs) each piece is an opaque custom op (`torch.ops.fp8train.*`) with a
   shape-only fake implementation, so the compiler cannot rewrite the reference arithmetic.
-Either way AOTAutograd's CSE merges the identical quantizations of the input that q/k/v and gate/up share.
+The identical quantizations of the input that q/k/v and gate/up share are merged: the opaque ops by
+AOTAutograd's CSE, the traced Triton kernels by the joint-graph pass of `compile_options()`
+(`_inductor_pass.py`), which CSE cannot do for them.
 
 At the op boundary an operand is a (data, scale) pair of contiguous tensors plus its `OperandConfig` as a
 string key ("e4m3:1x128", "e5m2:tensor", "bf16" for a high-precision operand). A 1x128 scale travels as

@@ -53,19 +53,23 @@ def operand_key(cfg: OperandConfig) -> str:
     return f"{cfg.fmt.value}:{block}"
 
 
-def _parse(key: str) -> OperandConfig:
+def _eager_cache(fn):
+    """`fn` memoized on the eager hot path; while compiling, `fn` itself: the compiler runs it once at trace
+    time (and warns on an lru_cache)."""
+    cached = functools.lru_cache(maxsize=None)(fn)
+
+    @functools.wraps(fn)
+    def call(*args):
+        return fn(*args) if torch.compiler.is_compiling() else cached(*args)
+    return call
+
+
+@_eager_cache
+def _parse_key(key: str) -> OperandConfig:
     if key == "bf16":
         return OperandConfig(None, None)
     fmt, _, block = key.partition(":")
     return OperandConfig(Fp8Format(fmt), None if block == "tensor" else tuple(int(b) for b in block.split("x")))
-
-
-_parse_cached = functools.lru_cache(maxsize=None)(_parse)
-
-
-def _parse_key(key: str) -> OperandConfig:
-    # cached on the eager hot path; a compiler runs it once at trace time (and warns on an lru_cache)
-    return _parse(key) if torch.compiler.is_compiling() else _parse_cached(key)
 
 
 def _pack(q: Fp8Tensor | None, like: Tensor) -> tuple[Tensor, Tensor]:
@@ -286,12 +290,9 @@ def _block_kind(block) -> str:
     return {(1, 128): "tile", (128, 128): "block", (1, -1): "row"}.get(tuple(block), "other")
 
 
+@_eager_cache
 def _route(a_key: str, b_key: str) -> str | None:
     """The cuBLAS call an operand pair takes (what `_cublas_pair` allows), or None: emulated."""
-    return _find_route(a_key, b_key) if torch.compiler.is_compiling() else _route_cached(a_key, b_key)
-
-
-def _find_route(a_key: str, b_key: str) -> str | None:
     a, b = _parse_key(a_key), _parse_key(b_key)
     if a.fmt is None or b.fmt is None:
         return None
@@ -301,9 +302,6 @@ def _find_route(a_key: str, b_key: str) -> str | None:
     if not a.fmt is b.fmt is Fp8Format.E4M3:
         return None
     return {("row", "row"): "row", ("tile", "block"): "tile_block", ("tile", "tile"): "tile_tile"}.get(pair)
-
-
-_route_cached = functools.lru_cache(maxsize=None)(_find_route)
 
 
 def _activation_impl(x: Tensor, rows: str, cols: str, pow2: bool, rows_pad: int, cols_pad: int, make_cols: bool,

@@ -82,12 +82,12 @@ class _ShareQuantization(CustomGraphPass):
     def __call__(self, graph: torch.fx.Graph) -> None:
         from torch._higher_order_ops.triton_kernel_wrap import triton_kernel_wrapper_functional
 
-        graph = getattr(graph, "graph", graph)
+        kernels = [n for n in graph.nodes if n.op == "call_function" and n.target is triton_kernel_wrapper_functional]
+        if not kernels:  # BF16 layers, CPU graphs: nothing to merge, no walk over the graph
+            return
         rep = _representatives(graph)
         first: dict = {}
-        for node in list(graph.nodes):
-            if node.op != "call_function" or node.target is not triton_kernel_wrapper_functional:
-                continue
+        for node in kernels:
             key = _key(node, rep)
             if key is None:
                 continue

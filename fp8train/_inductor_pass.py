@@ -1,8 +1,9 @@
 """An inductor joint-graph pass: one quantization per FP8 GEMM input, however many Linears read it.
 
 q/k/v read one hidden state, gate/up another. On CUDA their input quantization traces to Triton kernel
-nodes (`triton_kernel_wrapper_functional`) that AOTAutograd's CSE cannot merge: each call gets its own
-constant-args index and its own `torch.empty` outputs, which CSE never merges. Unmerged, a layer
+nodes (`triton_kernel_wrapper_functional`) that AOTAutograd's CSE cannot merge: each launch gets its own
+kernel index (torch wraps a launch with `num_warps=` in a new Autotuner), its own constant-args index and
+its own `torch.empty` outputs, which CSE never merges. Unmerged, a layer
 quantizes its attention input three times and its MLP input twice, and the partitioner saves every
 copy's FP8 columns for the backward. This pass merges Triton kernel nodes of fp8train's kernels that
 read the same tensors with the same constants into the first one. It runs on the joint graph, before the
@@ -21,9 +22,16 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 _MODULE = "fp8train._triton_quant"
 
 
-def _is_ours(kernel) -> bool:
-    fn = getattr(kernel, "fn", kernel)  # a JITFunction keeps the Python function in .fn
-    return getattr(fn, "__module__", None) == _MODULE
+def _identity(kernel) -> tuple:
+    """(the kernel's Python function, its launch configs). A launch with `num_warps=` is wrapped by
+    torch in a fresh one-config Autotuner per call, so each call site gets its own kernel_idx: the
+    wrappers are peeled off (Autotuner/Heuristics -> JITFunction -> function, each keeping the next in
+    .fn) and only their configs kept."""
+    configs = []
+    while hasattr(kernel, "fn"):
+        configs.append(tuple(str(c) for c in getattr(kernel, "configs", ())))
+        kernel = kernel.fn
+    return kernel, tuple(configs)
 
 
 def _is_fresh(node) -> bool:
@@ -64,7 +72,8 @@ def _key(node: torch.fx.Node, rep: dict):
     from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
 
     kw = node.kwargs
-    if not _is_ours(kernel_side_table.get_kernel(kw["kernel_idx"])):
+    fn, configs = _identity(kernel_side_table.get_kernel(kw["kernel_idx"]))
+    if getattr(fn, "__module__", None) != _MODULE:
         return None
     constants = kernel_side_table.get_constant_args(kw["constant_args_idx"])
     args = []
@@ -74,7 +83,7 @@ def _key(node: torch.fx.Node, rep: dict):
             args.append((name, repr((tuple(val.shape), tuple(val.stride()), val.dtype))))
         else:
             args.append((name, rep[value] if isinstance(value, torch.fx.Node) else repr(value)))
-    return (kw["kernel_idx"], repr(sorted(constants.items())), repr(kw["grid"]),
+    return (fn, configs, repr(sorted(constants.items())), repr(kw["grid"]),
             repr(kw["tma_descriptor_metadata"]), tuple(sorted(kw["tensors_to_clone"])), tuple(args))
 
 
@@ -103,4 +112,4 @@ class _ShareQuantization(CustomGraphPass):
                     graph.erase_node(buf)
 
     def uuid(self) -> str:
-        return "fp8train-share-quantization-3"
+        return "fp8train-share-quantization-4"

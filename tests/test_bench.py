@@ -29,13 +29,15 @@ def _evt(key, device, ms):
     return SimpleNamespace(key=key, device_type=device, self_device_time_total=ms * 1e3)
 
 
-def test_profile_counts_kernels_once_and_splits_fp8_gemms():
+def test_profile_counts_kernels_once_and_splits_fp8_gemms_by_kernel_name():
     cuda, cpu = DeviceType.CUDA, DeviceType.CPU
 
     class Prof:
         def key_averages(self):
             return [_evt("aten::mm", cpu, 5.0), _evt("aten::_scaled_mm_v2", cpu, 3.0),  # CPU ops: not summed
-                    _evt("nvjet_sm90_tst_128x256", cuda, 5.0), _evt("sm90_xmma_gemm_e4m3", cuda, 3.0),
+                    _evt("nvjet_sm90_tst_128x256_64x4_1x2_h_bz_coopB_TNT", cuda, 5.0),  # BF16 operands
+                    _evt("nvjet_sm90_qqtst_128x128_128x6_2x1_v_bz_coopA_algo2_Ablk128_Bvec128_TNN", cuda, 2.0),
+                    _evt("sm90_xmma_gemm_e4m3bf16_e4m3f32_f32_tn_n", cuda, 1.0),
                     _evt("_act_kernel", cuda, 1.0), _evt("pytorch_flash::flash_fwd_kernel", cuda, 2.0),
                     _evt("multi_tensor_apply_kernel<Adam>", cuda, 0.5), _evt("triton_red_fused_rms", cuda, 0.25)]
 

@@ -211,8 +211,8 @@ def _kernel_graph(kernels, reads, clone_inputs=False):
 @pytest.mark.parametrize("clone_inputs", [False, True])
 def test_share_quantization_pass_merges_only_our_kernels_on_the_same_input(clone_inputs):
     """The joint-graph pass of compile_options(): fp8train kernel nodes that read the same tensor with the
-    same constants collapse to the first (q/k/v on one hidden state); another input or a foreign kernel
-    stays, and so does a kernel on another tensor of the same shape (two weights of one shape are not one),
+    same constants collapse to the first (q/k/v on one hidden state), though torch wraps each launch in
+    its own Autotuner; another input, another launch config or a foreign kernel stays, and so does a kernel on another tensor of the same shape (two weights of one shape are not one),
     also when the inputs are listed as cloned; the merged node's buffer is gone and every output still has
     a producer."""
     from torch._higher_order_ops.triton_kernel_wrap import triton_kernel_wrapper_functional
@@ -227,16 +227,23 @@ def test_share_quantization_pass_merges_only_our_kernels_on_the_same_input(clone
         def __init__(self, fn):
             self.fn = fn
 
+    class Autotuner(Kernel):  # what torch wraps each launch with num_warps= in: a new one per call
+        def __init__(self, fn, num_warps):
+            super().__init__(fn)
+            self.configs = [f"num_warps: {num_warps}"]
+
     ours.__module__ = "fp8train._triton_quant"
-    ours_k, theirs_k = Kernel(ours), Kernel(theirs)
-    g = _kernel_graph([ours_k, ours_k, ours_k, ours_k, theirs_k, theirs_k], ["h", "h", "h", "mlp", "h", "h"],
-                      clone_inputs)
+    jit, theirs_k = Kernel(ours), Kernel(theirs)
+    kernels = [Autotuner(jit, 8), Autotuner(jit, 8), Autotuner(jit, 8), Autotuner(jit, 8), Autotuner(jit, 4),
+               theirs_k, theirs_k]
+    g = _kernel_graph(kernels, ["h", "h", "h", "mlp", "h", "h", "h"], clone_inputs)
     compile_options()["joint_custom_pre_pass"](g)
     g.lint()
     kernels = [n for n in g.nodes if n.target is triton_kernel_wrapper_functional]
     reads = [(n.kwargs["kwargs"]["x_ptr"].args[0].name, n.kwargs["kernel_idx"]) for n in kernels]
-    assert len(kernels) == 4, reads  # q/k/v merged into one; the MLP input and both foreign ones kept
-    assert sum(n.target is torch.ops.aten.empty.memory_format for n in g.nodes) == 4
+    # q/k/v merged into one; the MLP input, the other launch config and both foreign ones kept
+    assert len(kernels) == 5, reads
+    assert sum(n.target is torch.ops.aten.empty.memory_format for n in g.nodes) == 5
     producers = [a.args[0] for a in next(n for n in g.nodes if n.op == "output").args[0]]
     assert producers[0] is producers[1] is producers[2] and producers[3] is not producers[0]
-    assert producers[4] is not producers[5]
+    assert producers[4] is not producers[0] and producers[5] is not producers[6]

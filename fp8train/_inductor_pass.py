@@ -67,8 +67,8 @@ def _representatives(graph: torch.fx.Graph) -> dict:
 def _key(node: torch.fx.Node, rep: dict):
     """What the kernel node computes: kernel, constants, grid and the tensors it reads; None for others'
     kernels. Fresh output buffers count by shape, stride and dtype only. Every other tensor counts by value
-    (its representative), whether or not `tensors_to_clone` lists it: torch 2.11's mutation analysis lists
-    our kernels' inputs too, and two weights of one shape are not one weight."""
+    (its representative), whether or not `tensors_to_clone` lists it (torch's mutation analysis lists any
+    input it cannot prove read-only): two weights of one shape are not one weight."""
     from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
 
     kw = node.kwargs

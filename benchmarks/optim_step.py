@@ -1,0 +1,71 @@
+"""The optimizer part of a training step on a GPU: gradient clipping and AdamW, against the memory bandwidth.
+
+    PYTHONPATH=. python benchmarks/optim_step.py --model qwen2.5-7b:22
+
+The trainer's own pieces (`fp8train.optim.clip_grad_norm`, `build_optimizer`) over the FP32 parameters of
+a preset, random values and gradients, no forward. Bytes per parameter: clipping reads the gradient for
+the norm and reads and writes it to scale it (12); AdamW reads parameter, gradient and both moments and
+writes parameter and moments (28). The floor is those bytes at the bandwidth of a large device copy
+measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+
+def _ms(fn, reps: int = 5, warmup: int = 2) -> float:
+    times = []
+    for i in range(warmup + reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        if i >= warmup:
+            times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from fp8train.model import ModelConfig, build_model
+    from fp8train.optim import OptimConfig, build_optimizer, clip_grad_norm
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="qwen2.5-7b:22", help="PRESET[:LAYERS]")
+    args = p.parse_args(argv)
+    name, _, layers = args.model.partition(":")
+    with torch.device("meta"):
+        model = build_model(ModelConfig(source=name, num_layers=int(layers) if layers else None))
+    model.to_empty(device="cuda")
+    n = sum(p.numel() for p in model.parameters())
+    for p in model.parameters():
+        p.data.normal_(0, 0.02)
+        p.grad = torch.randn_like(p) * 1e-3
+
+    src = torch.empty(2**30, device="cuda")  # 4 GiB
+    dst = torch.empty_like(src)
+    copy_gbs = 2 * src.numel() * 4 / _ms(lambda: dst.copy_(src)) / 1e6
+    del src, dst
+
+    rows = [("clip_grad_norm (norm + scale)", _ms(lambda: clip_grad_norm(model, 1.0)), 12)]
+    for fused in (True, False):
+        opt = build_optimizer(model, OptimConfig(lr=1e-5, fused=fused))
+        rows.append((f"AdamW {'fused' if fused else 'foreach'} step", _ms(opt.step), 28))
+        del opt
+        torch.cuda.empty_cache()
+
+    print(f"{args.model}: {n / 1e9:.2f}B FP32 parameters; device copy {copy_gbs:,.0f} GB/s "
+          f"({torch.cuda.get_device_name()}, torch {torch.__version__})\n")
+    print("| piece | ms | bytes/param | GB/s | floor ms | x floor |")
+    print("|---|---|---|---|---|---|")
+    for label, ms, bpp in rows:
+        floor = n * bpp / copy_gbs / 1e6
+        print(f"| {label} | {ms:.1f} | {bpp} | {n * bpp / ms / 1e6:,.0f} | {floor:.1f} | {ms / floor:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -3,9 +3,8 @@
 q/k/v read one hidden state, gate/up another. On CUDA their input quantization traces to Triton kernel
 nodes (`triton_kernel_wrapper_functional`) that AOTAutograd's CSE cannot merge: each launch gets its own
 kernel index (torch wraps a launch with `num_warps=` in a new Autotuner), its own constant-args index and
-its own `torch.empty` outputs, which CSE never merges. Unmerged, a layer
-quantizes its attention input three times and its MLP input twice, and the partitioner saves every
-copy's FP8 columns for the backward. This pass merges Triton kernel nodes of fp8train's kernels that
+its own `torch.empty` outputs. Unmerged, a layer quantizes its attention input three times and its MLP
+input twice, and the partitioner saves every copy's FP8 columns for the backward. This pass merges Triton kernel nodes of fp8train's kernels that
 read the same tensors with the same constants into the first one. It runs on the joint graph, before the
 forward/backward partition, so the saved activations shrink as well; that is also before AOTAutograd's own
 CSE, so each Linear still has its own `x.view(-1, K)` node: "the same tensor" is decided after following

@@ -85,7 +85,7 @@ def categorize_profile(prof) -> dict[str, float]:
         if cat == "gemm":
             cat = "fp8 gemm" if re.search(_FP8_GEMM, name) else "bf16/fp32 gemm"
         out[cat] += t
-    out["total"] = sum(v for k, v in out.items())
+    out["total"] = sum(out.values())
     return dict(out)
 
 

@@ -22,9 +22,9 @@ import torch
 import triton.testing
 
 from fp8train import FP8Linear, cache_fp8_weights
-from fp8train import _triton_quant
-from fp8train._fp8_ops import _fp8_mm, _quantize_activation, _quantize_weight
-from fp8train.recipe import make_recipe
+from fp8train.fp8 import kernels as _triton_quant
+from fp8train.fp8.ops import _fp8_mm, _quantize_activation, _quantize_weight
+from fp8train.fp8.recipe import make_recipe
 
 SHAPES = {  # (N, K) = (out_features, in_features)
     "1.5B q/o": (1536, 1536), "1.5B k/v": (256, 1536), "1.5B gate/up": (8960, 1536), "1.5B down": (1536, 8960),

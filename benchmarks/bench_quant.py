@@ -20,9 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
-from fp8train import _triton_quant as tq
+from fp8train.fp8 import kernels as tq
 from fp8train import quantize
-from fp8train.recipe import Fp8Format
+from fp8train.fp8.recipe import Fp8Format
 
 E4M3 = Fp8Format.E4M3
 ACT_SHAPES = [(8192, 1536), (8192, 8960), (8192, 3584), (8192, 18944)]

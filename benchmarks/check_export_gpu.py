@@ -26,11 +26,11 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from fp8train.checkpoint import export_hf
+from fp8train.train.checkpoint import export_hf
 from fp8train.data import load_tokenizer
 from fp8train.export import export_checkpoint
-from fp8train.model import ModelConfig, build_model
-from fp8train.recipe import Fp8Format
+from fp8train.train.model import ModelConfig, build_model
+from fp8train.fp8.recipe import Fp8Format
 
 
 class _ServedFp8Linear(torch.nn.Module):
@@ -38,8 +38,8 @@ class _ServedFp8Linear(torch.nn.Module):
 
     def __init__(self, weight: torch.Tensor, scale_inv: torch.Tensor, bias: torch.Tensor | None, cublas: bool):
         super().__init__()
-        from fp8train._fp8_ops import _CONTRACTION_PAD
-        from fp8train.quant import Fp8Tensor
+        from fp8train.fp8.ops import _CONTRACTION_PAD
+        from fp8train.fp8.quant import Fp8Tensor
 
         n, k = weight.shape
         self.cublas, self.pad = cublas, _CONTRACTION_PAD if cublas else 1  # emulated: dequantize + FP32 matmul
@@ -50,8 +50,8 @@ class _ServedFp8Linear(torch.nn.Module):
         self.bias = bias
 
     def forward(self, x):
-        from fp8train._fp8_ops import _fp8_mm, _quantize_activation
-        from fp8train.recipe import OperandConfig
+        from fp8train.fp8.ops import _fp8_mm, _quantize_activation
+        from fp8train.fp8.recipe import OperandConfig
 
         tile = OperandConfig(Fp8Format.E4M3, (1, 128))
         x2d = x.reshape(-1, x.shape[-1])
@@ -87,7 +87,7 @@ def _loaded_weight_error(model, fp8_dir: Path) -> float | None:
     E4M3 blocks times weight_scale_inv (None when transformers kept FP8 weights: nothing to compare)."""
     from safetensors.torch import load_file
 
-    from fp8train.quant import Fp8Tensor, dequantize
+    from fp8train.fp8.quant import Fp8Tensor, dequantize
 
     tensors = {}
     for f in sorted(Path(fp8_dir).glob("*.safetensors")):

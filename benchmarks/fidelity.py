@@ -48,17 +48,18 @@ import numpy as np
 import torch
 
 from fp8train.cli import keep_freed_memory
-from fp8train.config import LoopConfig, TrainConfig
-from fp8train.convert import DECODER_PROJECTIONS, convert_to_fp8, summarize_fp8_health
+from fp8train.train.config import LoopConfig, TrainConfig
+from fp8train.fp8.convert import DECODER_PROJECTIONS, convert_to_fp8
+from fp8train.fp8.health import summarize_fp8_health
 from fp8train.data import (CptDataConfig, SftDataConfig, build_cpt_datasets, build_sft_datasets, collate,
                            load_tokenizer, read_sft_holdout)
 from fp8train.eval import extract_gold, extract_math_answer, math_equal, render_prompts
-from fp8train.metrics import read_jsonl
-from fp8train.model import ModelConfig, build_model
-from fp8train.optim import OptimConfig
+from fp8train.train.metrics import read_jsonl
+from fp8train.train.model import ModelConfig, build_model
+from fp8train.train.optim import OptimConfig
 from fp8train.plot import plot_runs
-from fp8train.recipe import Fp8Format, GemmConfig, OperandConfig, make_recipe
-from fp8train.trainer import Trainer
+from fp8train.fp8.recipe import Fp8Format, GemmConfig, OperandConfig, make_recipe
+from fp8train.train.trainer import Trainer
 
 ARMS = ("bf16", "hybrid")
 _TEXT_SUFFIXES = (".py", ".md", ".rst", ".txt")

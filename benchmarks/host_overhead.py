@@ -36,9 +36,9 @@ def _per_call_us(fn, n: int = 300) -> float:
 def pieces() -> list[tuple[str, float]]:
     import torch.nn.functional as F
 
-    from fp8train import _fp8_ops as o
-    from fp8train import _triton_quant
-    from fp8train.recipe import Fp8Format
+    from fp8train.fp8 import ops as o
+    from fp8train.fp8 import kernels as _triton_quant
+    from fp8train.fp8.recipe import Fp8Format
 
     t, b = "e4m3:1x128", "e4m3:128x128"
     x = torch.randn(256, 1536, device="cuda").bfloat16()
@@ -70,7 +70,7 @@ def pieces() -> list[tuple[str, float]]:
 
 def step_times(model_name: str, seq: int, recipe: str, layers: int | None, profile_rows: int) -> dict:
     from fp8train import convert_to_fp8
-    from fp8train.model import ModelConfig, build_model, parallelize_model
+    from fp8train.train.model import ModelConfig, build_model, parallelize_model
 
     torch._dynamo.reset()
     torch.manual_seed(0)

@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python benchmarks/optim_step.py --model qwen2.5-7b:22
 
-The trainer's own pieces (`fp8train.optim.clip_grad_norm`, `build_optimizer`) over the FP32 parameters of
+The trainer's own pieces (`fp8train.train.optim.clip_grad_norm`, `build_optimizer`) over the FP32 parameters of
 a preset, random values and gradients, no forward. Bytes per parameter: clipping reads the gradient for
 the norm and reads and writes it to scale it (12); AdamW reads parameter, gradient and both moments and
 writes parameter and moments (28). The floor is those bytes at the bandwidth of a large device copy
@@ -31,8 +31,8 @@ def _ms(fn, reps: int = 5, warmup: int = 2) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from fp8train.model import ModelConfig, build_model
-    from fp8train.optim import OptimConfig, build_optimizer, clip_grad_norm
+    from fp8train.train.model import ModelConfig, build_model
+    from fp8train.train.optim import OptimConfig, build_optimizer, clip_grad_norm
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="qwen2.5-7b:22", help="PRESET[:LAYERS]")

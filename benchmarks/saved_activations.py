@@ -21,7 +21,7 @@ import torch._dynamo
 
 def saved_bytes(preset: str, recipe: str, compiled: bool, tokens: int) -> dict:
     from fp8train import convert_to_fp8
-    from fp8train.model import ModelConfig, build_model, decoder_layers
+    from fp8train.train.model import ModelConfig, build_model, decoder_layers
 
     torch._dynamo.reset()
     torch.manual_seed(0)

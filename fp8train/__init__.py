@@ -6,23 +6,24 @@ training, data, export and evaluation layers load on first use, so `import fp8tr
 
 import importlib
 
-from .convert import ConversionReport, cache_fp8_weights, compile_options, convert_to_fp8, summarize_fp8_health, track_fp8_health
-from .linear import FP8Linear
-from .quant import Fp8Tensor, dequantize, quantize
-from .recipe import Fp8Format, Fp8Recipe, RecipeName, make_recipe
+from .fp8 import (ConversionReport, FP8Linear, Fp8Format, Fp8Recipe, Fp8Tensor, RecipeName, cache_fp8_weights,
+                  compile_options, convert_to_fp8, dequantize, make_recipe, quantize, summarize_fp8_health,
+                  track_fp8_health)
 
 _LAZY = {
     # training
-    "TrainConfig": "config", "load_config": "config", "Trainer": "trainer", "train": "trainer",
-    "ModelConfig": "model", "build_model": "model",
-    "OptimConfig": "optim", "build_optimizer": "optim", "build_scheduler": "optim",
-    "save_checkpoint": "checkpoint", "load_checkpoint": "checkpoint", "find_latest_checkpoint": "checkpoint",
-    "export_hf": "checkpoint", "CorruptCheckpointError": "checkpoint",
+    "TrainConfig": "train.config", "load_config": "train.config", "Trainer": "train.trainer", "train": "train.trainer",
+    "ModelConfig": "train.model", "build_model": "train.model",
+    "OptimConfig": "train.optim", "build_optimizer": "train.optim", "build_scheduler": "train.optim",
+    "save_checkpoint": "train.checkpoint", "load_checkpoint": "train.checkpoint",
+    "find_latest_checkpoint": "train.checkpoint", "export_hf": "train.checkpoint",
+    "CorruptCheckpointError": "train.checkpoint",
     # data
     "load_tokenizer": "data", "CptDataConfig": "data", "SftDataConfig": "data",
     "build_cpt_datasets": "data", "build_sft_datasets": "data",
     # distributed
-    "DistributedConfig": "distributed", "init_distributed": "distributed", "apply_fsdp": "distributed",
+    "DistributedConfig": "train.distributed", "init_distributed": "train.distributed",
+    "apply_fsdp": "train.distributed",
     # export / eval
     "export_checkpoint": "export", "EvalConfig": "eval", "run_eval": "eval",
 }

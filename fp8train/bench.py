@@ -99,12 +99,12 @@ def _convert_torchao(model, recipe: str) -> None:
 def run_case(case: BenchCase, *, steps: int = 5, warmup: int = 2, device: str = "cuda", profile: bool = False,
              activation_checkpointing: bool = False) -> dict:
     """Build the model, run `warmup + steps` training steps of one sequence, return the measurements."""
-    from .config import LoopConfig, TrainConfig
+    from .train.config import LoopConfig, TrainConfig
     from .data import CptDataConfig
-    from .metrics import flops_per_token
-    from .model import PRESETS, ModelConfig, build_model
-    from .optim import OptimConfig
-    from .trainer import Trainer
+    from .train.metrics import flops_per_token
+    from .train.model import PRESETS, ModelConfig, build_model
+    from .train.optim import OptimConfig
+    from .train.trainer import Trainer
 
     import torch._dynamo
 

@@ -20,7 +20,7 @@ _USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, 
 
 
 def _run_train(args: argparse.Namespace) -> int:
-    from .config import format_config_help, load_config
+    from .train.config import format_config_help, load_config
 
     if args.help_config:
         print(format_config_help())
@@ -35,7 +35,7 @@ def _run_train(args: argparse.Namespace) -> int:
         raise ValueError(f"overrides must be key=value, got {bad}")
     cfg = load_config(config, overrides)
 
-    from .trainer import train
+    from .train.trainer import train
 
     result = train(cfg, progress=not args.no_progress)
     last = result.losses.get(result.step)
@@ -151,8 +151,8 @@ def main(argv: list[str] | None = None) -> int:
 
         hf_logging.disable_progress_bar()  # a "Writing model shards" bar per checkpoint would bury ours
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    from .checkpoint import CorruptCheckpointError
-    from .trainer import NonFiniteLossError
+    from .train.checkpoint import CorruptCheckpointError
+    from .train.trainer import NonFiniteLossError
 
     try:
         return int(args.func(args) or 0)

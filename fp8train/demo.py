@@ -22,12 +22,12 @@ from pathlib import Path
 
 import torch
 
-from .config import LoopConfig, TrainConfig
+from .train.config import LoopConfig, TrainConfig
 from .data import CptDataConfig, build_cpt_datasets, load_tokenizer
-from .model import ModelConfig
-from .optim import OptimConfig
+from .train.model import ModelConfig
+from .train.optim import OptimConfig
 from .plot import plot_runs
-from .trainer import Trainer
+from .train.trainer import Trainer
 
 __all__ = ["DemoConfig", "run_demo", "stdlib_sources"]
 

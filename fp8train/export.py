@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from .quant import quantize
+from .fp8.quant import quantize
 
 __all__ = ["EXPORT_FORMATS", "FP8_BLOCK", "export_checkpoint", "add_cli"]
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import yaml
 
-from .metrics import read_jsonl
+from .train.metrics import read_jsonl
 
 __all__ = ["load_curves", "plot_runs"]
 

@@ -5,7 +5,7 @@
 
 `interpret` runs the kernels in Triton's interpreter and compares, bit for bit, the FP32 values they would
 convert to FP8 (the interpreter's own FP8 cast is wrong: it rounds 31.65 to 16; the GPU's cvt.rn.satfinite
-is checked on the device by tests/test_gpu.py) and every scale against the reference of fp8train.quant.
+is checked on the device by tests/test_gpu.py) and every scale against the reference of fp8train.fp8.quant.
 `compile` builds the kernels for SM90 (ptxas ships with Triton) as the JIT would for aligned shapes and
 prints the register count and stack size of each launch the library uses. Prints one JSON line.
 """
@@ -23,9 +23,9 @@ from types import SimpleNamespace
 import torch
 import triton
 
-from fp8train import _triton_quant as tq
-from fp8train.quant import compute_scale
-from fp8train.recipe import Fp8Format
+from fp8train.fp8 import kernels as tq
+from fp8train.fp8.quant import compute_scale
+from fp8train.fp8.recipe import Fp8Format
 
 
 def _pre_conversion(x2d, fmt, pow2):

@@ -11,8 +11,8 @@ from safetensors.torch import load_file
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from fp8train import checkpoint as ckpt_mod
-from fp8train.checkpoint import (
+from fp8train.train import checkpoint as ckpt_mod
+from fp8train.train.checkpoint import (
     CorruptCheckpointError,
     capture_rng_state,
     export_hf,
@@ -21,7 +21,7 @@ from fp8train.checkpoint import (
     restore_rng_state,
     save_checkpoint,
 )
-from fp8train.optim import OptimConfig, build_optimizer, build_scheduler, clip_grad_norm
+from fp8train.train.optim import OptimConfig, build_optimizer, build_scheduler, clip_grad_norm
 
 VOCAB = 1000
 

@@ -10,7 +10,7 @@ import torch
 import yaml
 
 from fp8train.cli import build_parser, main
-from fp8train.config import load_config
+from fp8train.train.config import load_config
 from fp8train.demo import _demo_config, DemoConfig, stdlib_sources
 from test_trainer import TINY_CONFIG, byte_tokenizer, corpus, one_thread, tiny_overrides  # noqa: F401
 

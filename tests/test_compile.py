@@ -1,6 +1,6 @@
 """FP8Linear under torch.compile: one graph per decoder layer, the same numbers as eager, shared quantization.
 
-The FP8 pieces are custom ops (fp8train._fp8_ops); `torch.library.opcheck` checks their fake (shape-only)
+The FP8 pieces are custom ops (fp8train.fp8.ops); `torch.library.opcheck` checks their fake (shape-only)
 implementations against the real ones, which is what makes a compiled graph's buffers right.
 """
 
@@ -12,9 +12,10 @@ import torch
 import torch._dynamo
 from torch._subclasses.fake_tensor import FakeTensor
 
-from fp8train import _fp8_ops, compile_options, convert_to_fp8
-from fp8train.model import ModelConfig, build_model, decoder_layers
-from fp8train.recipe import make_recipe
+from fp8train.fp8 import ops as _fp8_ops
+from fp8train import compile_options, convert_to_fp8
+from fp8train.train.model import ModelConfig, build_model, decoder_layers
+from fp8train.fp8.recipe import make_recipe
 
 
 @pytest.fixture(autouse=True)
@@ -232,7 +233,7 @@ def test_share_quantization_pass_merges_only_our_kernels_on_the_same_input(clone
             super().__init__(fn)
             self.configs = [f"num_warps: {num_warps}"]
 
-    ours.__module__ = "fp8train._triton_quant"
+    ours.__module__ = "fp8train.fp8.kernels"
     jit, theirs_k = Kernel(ours), Kernel(theirs)
     kernels = [Autotuner(jit, 8), Autotuner(jit, 8), Autotuner(jit, 8), Autotuner(jit, 8), Autotuner(jit, 4),
                theirs_k, theirs_k]

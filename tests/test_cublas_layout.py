@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from fp8train import FP8Linear
-from fp8train import _fp8_ops
-from fp8train import linear as fl
+from fp8train.fp8 import ops as _fp8_ops
+from fp8train.fp8 import linear as fl
 
 ST = F.ScalingType
 
@@ -54,7 +54,7 @@ def _strict_scaled_mm(a, b, scale_a, recipe_a, scale_b, recipe_b, output_dtype=N
 @pytest.fixture
 def fake_cublas(monkeypatch):
     monkeypatch.setattr(fl, "_use_cublas", lambda t: True)
-    monkeypatch.setattr(_fp8_ops, "_triton_quant", None)  # the reference quantizer with cuBLAS padding
+    monkeypatch.setattr(_fp8_ops, "_kernels", None)  # the reference quantizer with cuBLAS padding
     monkeypatch.setattr(F, "scaled_mm", _strict_scaled_mm)
 
 
@@ -83,7 +83,7 @@ def test_cublas_path_layouts_and_values(fake_cublas, recipe, shape):
 def test_mixed_granularity_recipes_fall_back_to_emulation(fake_cublas):
     """A custom recipe whose operand pair cuBLAS has no kernel for (1x128 input with a per-tensor weight,
     E5M2 tiles) must still compute the right function (emulated), never a wrong scaled_mm call."""
-    from fp8train.recipe import Fp8Format, GemmConfig, OperandConfig, make_recipe
+    from fp8train.fp8.recipe import Fp8Format, GemmConfig, OperandConfig, make_recipe
 
     base = make_recipe("hybrid")
     e4, e5 = Fp8Format.E4M3, Fp8Format.E5M2

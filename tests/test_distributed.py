@@ -1,4 +1,4 @@
-"""fp8train.distributed on CPU with gloo: FSDP2 at world size 2 against world size 1, FP8 all-gather,
+"""fp8train.train.distributed on CPU with gloo: FSDP2 at world size 2 against world size 1, FP8 all-gather,
 sharded checkpoints across world sizes, and a rank failing mid-save.
 
 The multi-process scenarios run once, in forked worker processes (fork: no second import of torch and
@@ -20,9 +20,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimi
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from fp8train import Fp8Format, convert_to_fp8, make_recipe, quantize
-from fp8train import _fp8_ops as fp8_ops
-from fp8train._fsdp_fp8 import _Fp8GatheredWeight, _Fp8ShardedWeight, fp8_gather_blocker, unwrap
-from fp8train.distributed import (DistributedConfig, ParallelInfo, all_reduce_sum, apply_fsdp, destroy,
+from fp8train.fp8 import ops as fp8_ops
+from fp8train.fp8.fsdp import _Fp8GatheredWeight, _Fp8ShardedWeight, fp8_gather_blocker, unwrap
+from fp8train.train.distributed import (DistributedConfig, ParallelInfo, all_reduce_sum, apply_fsdp, destroy,
                                   gather_full_state_dict, init_distributed, is_sharded_checkpoint, load_sharded,
                                   save_sharded)
 
@@ -438,7 +438,7 @@ def test_sharded_weight_behaves_as_its_fp32_tensor():
 def test_gathered_weight_gives_fp8linear_its_operands(monkeypatch, cublas):
     """The operands FP8Linear takes from an FP8-gathered weight equal the ones it would quantize itself,
     including the cuBLAS layout (contraction padded to 512 with zero data and scale 1), bit for bit."""
-    monkeypatch.setattr(fp8_ops, "_triton_quant", None)  # the reference layout, on any machine
+    monkeypatch.setattr(fp8_ops, "_kernels", None)  # the reference layout, on any machine
     w = torch.randn(256, 384) * torch.logspace(-3, 1, 384)  # K=384 and N=256 both need padding to 512
     q = quantize(w, (128, 128), "e4m3", pow2_scale=True)
     gathered = _Fp8GatheredWeight(q.data, q.scale, torch.bfloat16, Fp8Format.E4M3, True)

@@ -11,7 +11,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from fp8train.export import add_cli, export_checkpoint
-from fp8train.quant import quantize
+from fp8train.fp8.quant import quantize
 
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

@@ -37,13 +37,13 @@ import pytest
 import torch
 
 from fp8train import FP8Linear, convert_to_fp8, make_recipe
-from fp8train.config import LoopConfig, TrainConfig
+from fp8train.train.config import LoopConfig, TrainConfig
 from fp8train.data import CptDataConfig, PackedDataset
 from fp8train.demo import stdlib_sources
-from fp8train.model import ModelConfig, build_model
-from fp8train.optim import OptimConfig
-from fp8train.recipe import Fp8Format, OperandConfig
-from fp8train.trainer import Trainer
+from fp8train.train.model import ModelConfig, build_model
+from fp8train.train.optim import OptimConfig
+from fp8train.fp8.recipe import Fp8Format, OperandConfig
+from fp8train.train.trainer import Trainer
 
 STEPS, BATCH, SEQ, LR = 300, 8, 64, 1e-3
 EOS, VOCAB = 256, 320  # 256 byte values + EOS, rounded up to a multiple of 64

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fp8train import FP8Linear, compile_options, convert_to_fp8, make_recipe, quantize
-from fp8train.recipe import Fp8Format
+from fp8train.fp8.recipe import Fp8Format
 
 cuda_sm90 = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
 pytestmark = pytest.mark.skipif(not cuda_sm90, reason="needs a CUDA GPU with FP8 tensor cores (SM90)")
@@ -42,7 +42,7 @@ def _activation(shape, dtype, seed=0):
     ((130, 200), torch.bfloat16, False, "e4m3"),
 ])
 def test_activation_kernel_bitwise(shape, dtype, pow2, fmt):
-    from fp8train import _triton_quant
+    from fp8train.fp8 import kernels as _triton_quant
 
     fmt = Fp8Format.parse(fmt)
     x = _activation(shape, dtype)
@@ -69,7 +69,7 @@ def test_activation_kernel_bitwise(shape, dtype, pow2, fmt):
 @pytest.mark.parametrize("shape", [(1536, 8960), (384, 200), (3584, 3584)])
 @pytest.mark.parametrize("pow2", [True, False])
 def test_weight_kernel_bitwise(shape, pow2):
-    from fp8train import _triton_quant
+    from fp8train.fp8 import kernels as _triton_quant
 
     w = _activation(shape, torch.float32, seed=1)
     q, qt, s = _triton_quant.quantize_blocks_and_transpose(w.cuda(), Fp8Format.E4M3, pow2, 512)
@@ -81,7 +81,7 @@ def test_weight_kernel_bitwise(shape, pow2):
 
 
 def test_kernel_nonfinite_matches_reference():
-    from fp8train import _triton_quant
+    from fp8train.fp8 import kernels as _triton_quant
 
     x = torch.randn(256, 256)
     x[0, 0], x[130, 5] = float("nan"), float("inf")
@@ -174,7 +174,7 @@ def test_compiled_model_matches_eager_on_cuda():
 def test_custom_ops_fake_implementations_match_on_cuda(recipe):
     """On the GPU the ops' outputs come from the Triton kernels and cuBLAS: their shapes, strides and
     dtypes must be what the fake implementations (the reference path) tell the compiler."""
-    from fp8train import _fp8_ops
+    from fp8train.fp8 import ops as _fp8_ops
 
     r = make_recipe(recipe)
     k = _fp8_ops.operand_key

@@ -10,8 +10,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from fp8train import FP8Linear, dequantize, quantize
-from fp8train._fp8_ops import _quantize_activation
-from fp8train.recipe import make_recipe
+from fp8train.fp8.ops import _quantize_activation
+from fp8train.fp8.recipe import make_recipe
 
 THRESHOLD_DB = {"hybrid": 25.0, "rowwise": 25.0, "tensorwise": 19.0}
 
@@ -153,7 +153,7 @@ def test_torch_compile_matches_eager():
 def test_no_grad_and_frozen_weight_skip_the_transposed_copy(monkeypatch):
     """Without a grad_weight to compute (no_grad, or a frozen weight) the FP8 input.T is not made, and
     the results are the same numbers as the full path's."""
-    from fp8train import _fp8_ops
+    from fp8train.fp8 import ops as _fp8_ops
 
     _, m, x, g = _setup("hybrid")
     ref = _run(m, x, g)
@@ -187,7 +187,7 @@ def test_high_precision_operands_and_emulate_flag():
     one with only the output GEMM in FP8 changes the output but leaves grad_input and grad_weight exact."""
     from dataclasses import replace
 
-    from fp8train.recipe import GemmConfig, OperandConfig
+    from fp8train.fp8.recipe import GemmConfig, OperandConfig
 
     h = make_recipe("hybrid")
     hp = OperandConfig(None, None)

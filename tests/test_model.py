@@ -11,8 +11,8 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from fp8train.data import load_tokenizer
-from fp8train.metrics import flops_per_token
-from fp8train.model import ModelConfig, _preset_config, build_model, load_model_tokenizer, parallelize_model
+from fp8train.train.metrics import flops_per_token
+from fp8train.train.model import ModelConfig, _preset_config, build_model, load_model_tokenizer, parallelize_model
 from test_trainer import byte_tokenizer, one_thread  # noqa: F401
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from fp8train.optim import OptimConfig, build_optimizer, build_scheduler, clip_grad_norm, lr_lambda
+from fp8train.train.optim import OptimConfig, build_optimizer, build_scheduler, clip_grad_norm, lr_lambda
 
 
 def _cos_ref(peak, low, progress):

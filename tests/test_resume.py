@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from fp8train.checkpoint import find_latest_checkpoint
-from fp8train.config import load_config
-from fp8train.trainer import Trainer
+from fp8train.train.checkpoint import find_latest_checkpoint
+from fp8train.train.config import load_config
+from fp8train.train.trainer import Trainer
 from test_trainer import TINY_CONFIG, byte_tokenizer, corpus, one_thread, tiny_config, tiny_overrides  # noqa: F401
 
 _EXACT_KEYS = ("loss", "lr", "grad_norm", "val_loss", "tokens", "skipped_steps")
@@ -126,7 +126,7 @@ def test_resume_with_a_different_global_batch_is_refused(tmp_path, byte_tokenize
 
 
 def test_resumed_metrics_drop_steps_past_the_checkpoint_and_a_torn_line(tmp_path):
-    from fp8train.metrics import MetricsLogger, read_jsonl
+    from fp8train.train.metrics import MetricsLogger, read_jsonl
 
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1, "loss": 3.0}\n{"step": 2, "loss": 2.5}\n{"step": 3, "loss": 2.0}\n{"step": 4, "lo')

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from fp8train.config import load_config
-from fp8train.trainer import NonFiniteLossError, Trainer
+from fp8train.train.config import load_config
+from fp8train.train.trainer import NonFiniteLossError, Trainer
 
 GOLDEN = Path(__file__).parent / "golden"
 # Exact with the torch build and CPU kernels that wrote the file; elsewhere the tolerance absorbs
@@ -204,7 +204,7 @@ def test_loss_is_mean_over_target_tokens_of_global_batch(tmp_path, byte_tokenize
 
 def _tiny_model(tokenizer_dir: Path):
     from fp8train.data import load_tokenizer
-    from fp8train.model import ModelConfig, build_model
+    from fp8train.train.model import ModelConfig, build_model
 
     torch.manual_seed(0)
     return build_model(ModelConfig(source="tiny-qwen2"), load_tokenizer(str(tokenizer_dir)))
@@ -239,7 +239,7 @@ def test_fp8_weight_cache_only_across_micro_batches(tmp_path, byte_tokenizer, co
 
 
 def test_fsdp_always_needs_torchrun(tmp_path, byte_tokenizer, corpus):
-    from fp8train.trainer import train
+    from fp8train.train.trainer import train
 
     cfg = tiny_config(tmp_path, byte_tokenizer, corpus, **{"distributed.fsdp": "always"})
     with pytest.raises(ValueError, match="distributed.fsdp"):
@@ -280,7 +280,7 @@ def test_nonfinite_step_is_skipped_and_counted(tmp_path, byte_tokenizer, corpus)
 
 
 def test_stops_after_max_nonfinite_steps_keeping_last_good_checkpoint(tmp_path, byte_tokenizer, corpus):
-    from fp8train.checkpoint import find_latest_checkpoint, load_checkpoint
+    from fp8train.train.checkpoint import find_latest_checkpoint, load_checkpoint
 
     cfg = tiny_config(tmp_path, byte_tokenizer, corpus, recipe="hybrid",
                       **{"train.steps": 10, "train.save_every": 2, "train.max_nonfinite_steps": 3})

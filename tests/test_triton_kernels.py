@@ -34,7 +34,7 @@ def _check(mode: str) -> dict:
 
 def test_kernel_arithmetic_matches_the_reference_bit_for_bit():
     """Scales and pre-conversion values of both copies, E4M3 and E5M2, pow2 on and off, BF16 and FP32 inputs,
-    ragged shapes, zeros, NaN/Inf and amax values next to powers of two: equal to fp8train.quant's."""
+    ragged shapes, zeros, NaN/Inf and amax values next to powers of two: equal to fp8train.fp8.quant's."""
     assert _check("interpret")["failures"] == []
 
 

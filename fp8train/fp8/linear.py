@@ -27,8 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from . import _fp8_ops as ops
-from ._fp8_ops import _pad_for, operand_key, unpack
+from . import ops
+from .ops import _pad_for, operand_key, unpack
 from .quant import Fp8Tensor
 from .recipe import Fp8Recipe, make_recipe
 
@@ -42,24 +42,6 @@ def _has_fp8_gemm(device_index: int) -> bool:
 
 def _use_cublas(t: torch.Tensor) -> bool:
     return t.is_cuda and _has_fp8_gemm(t.device.index)
-
-
-def _health(x2d: torch.Tensor, q: Fp8Tensor) -> dict:
-    """Fraction of non-zero values flushed to zero, fraction at the top of the FP8 range, scale range."""
-    rows, cols = x2d.shape
-    if q.fmt is None:  # not quantized
-        return {"underflow": 0.0, "saturation": 0.0, "scale_min": 1.0, "scale_max": 1.0}
-    data = q.data[:rows, :cols].float()
-    nonzero = x2d != 0
-    n = max(int(nonzero.sum()), 1)
-    scale = q.scale if q.block is None else q.scale[: -(-rows // q.block[0]), : -(-cols // q.block[1])]
-    finite = scale[torch.isfinite(scale)]  # the blocks of x only: padding blocks (scale 1) left out
-    return {
-        "underflow": float(((data == 0) & nonzero).sum()) / n,
-        "saturation": float((data.abs() >= q.fmt.max).sum()) / max(data.numel(), 1),
-        "scale_min": float(finite.min()) if finite.numel() else float("nan"),
-        "scale_max": float(finite.max()) if finite.numel() else float("nan"),
-    }
 
 
 @dataclass(frozen=True)
@@ -85,6 +67,12 @@ class _Plan:
 
     def pad(self, gemm: int, cublas: bool) -> int:
         return self.pads[gemm] if cublas else 1
+
+
+def _operand_health(x2d, q):
+    from .health import operand_health
+
+    return operand_health(x2d, q)
 
 
 class _Fp8LinearFn(torch.autograd.Function):
@@ -122,7 +110,7 @@ class _Fp8LinearFn(torch.autograd.Function):
         dx, dw, g, g_s = ops.linear_backward(dy2d, wt, wt_s, xc, xc_s, p.g, p.g_t, p.w_t, p.x_t, p.pow2,
                                              p.pad(1, cublas), p.pad(2, cublas), want_dx, want_dw, ctx.x_dtype, cublas)
         if ctx.health is not None:
-            ctx.health["grad_output"] = _health(dy2d, unpack(g, g_s, p.g))
+            ctx.health["grad_output"] = _operand_health(dy2d, unpack(g, g_s, p.g))
         db = None
         if ctx.b_dtype is not None and ctx.needs_input_grad[2]:
             db = dy2d.float().sum(0).to(ctx.b_dtype)
@@ -217,8 +205,8 @@ class FP8Linear(nn.Linear):
         wq = self._weight_operands(self.weight, cublas, lazy=self._health is None)
         if self._health is not None:
             p = self._plan
-            self._health["input"] = _health(x2d, unpack(xq[0], xq[1], p.x))
-            self._health["weight"] = _health(self.weight.detach(), unpack(wq[0], wq[1], p.w))
+            self._health["input"] = _operand_health(x2d, unpack(xq[0], xq[1], p.x))
+            self._health["weight"] = _operand_health(self.weight.detach(), unpack(wq[0], wq[1], p.w))
         wq = wq or (None,) * 4
         return _Fp8LinearFn.apply(x, self.weight, self.bias, *xq, *wq, self._plan, cublas, out_dtype, self._health)
 

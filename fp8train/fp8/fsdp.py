@@ -26,7 +26,7 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch import nn
 
-from ._fp8_ops import _pad_for
+from .ops import _pad_for
 from .linear import FP8Linear
 from .quant import Fp8Tensor, _quantize_2d, dequantize
 from .recipe import Fp8Format, Fp8Recipe

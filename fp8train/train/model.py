@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .convert import compile_options
+from ..fp8.convert import compile_options
 
 __all__ = ["ModelConfig", "PRESETS", "build_model", "load_model_tokenizer", "parallelize_model", "decoder_layers"]
 
@@ -103,7 +103,7 @@ def _has_tokenizer_files(path: Path) -> bool:
 
 def load_model_tokenizer(cfg: ModelConfig):
     """The tokenizer named by `cfg.tokenizer`, else the checkpoint's own, else the Qwen2.5 tokenizer."""
-    from .data import load_tokenizer
+    from ..data import load_tokenizer
 
     if cfg.tokenizer is not None:
         return load_tokenizer(cfg.tokenizer)

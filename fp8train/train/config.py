@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 import yaml
 
-from .data import CptDataConfig, SftDataConfig
+from ..data import CptDataConfig, SftDataConfig
 from .distributed import DistributedConfig
 from .model import ModelConfig
 from .optim import OptimConfig

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-_MODULE = "fp8train._triton_quant"
+_MODULE = "fp8train.fp8.kernels"
 
 
 def _identity(kernel) -> tuple:

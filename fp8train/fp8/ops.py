@@ -34,9 +34,9 @@ from .quant import Fp8Tensor, _quantize_2d, _resolve_block, expand_scale
 from .recipe import Fp8Format, Fp8Recipe, GemmConfig, OperandConfig
 
 try:
-    from . import _triton_quant
+    from . import kernels as _kernels
 except ImportError:  # no triton (CPU-only installs): the reference path is used
-    _triton_quant = None
+    _kernels = None
 
 # cuBLAS blockwise GEMMs need the number of 128-blocks along the contraction to be a multiple of 4
 # (K=8960 -> 70 blocks is refused or silently wrong): pad contractions to 512 with zero data, scale 1.
@@ -141,16 +141,16 @@ def _tiles(x2d: Tensor, rows_fmt: Fp8Format, cols_fmt: Fp8Format, pow2: bool, pa
     """The Triton activation kernel: rows data, scale [Kp/128, M], cols data, scale [Mp/128, K] (packed;
     no cols: empty). Under torch.compile its triton_op, which inductor sees into and launches itself."""
     if torch.compiler.is_compiling():
-        return _triton_quant.quantize_tiles_op(x2d, rows_fmt.dtype, cols_fmt.dtype, pow2, pad, cols)
-    qr, sr, qc, sc = _triton_quant.quantize_tiles_and_transpose(x2d, rows_fmt, cols_fmt, pow2, pad, cols=cols)
+        return _kernels.quantize_tiles_op(x2d, rows_fmt.dtype, cols_fmt.dtype, pow2, pad, cols)
+    qr, sr, qc, sc = _kernels.quantize_tiles_and_transpose(x2d, rows_fmt, cols_fmt, pow2, pad, cols=cols)
     return (qr, sr.t(), qc, sc.t()) if cols else (qr, sr.t(), *_pack(None, x2d))
 
 
 def _blocks(w: Tensor, fmt: Fp8Format, pow2: bool, pad: int) -> tuple[Tensor, Tensor, Tensor]:
     """The Triton weight kernel (its triton_op under torch.compile): data, data.T, scale [N/128, Kp/128]."""
     if torch.compiler.is_compiling():
-        return _triton_quant.quantize_blocks_op(w, fmt.dtype, pow2, pad)
-    return _triton_quant.quantize_blocks_and_transpose(w, fmt, pow2, pad)
+        return _kernels.quantize_blocks_op(w, fmt.dtype, pow2, pad)
+    return _kernels.quantize_blocks_and_transpose(w, fmt, pow2, pad)
 
 
 def _quantize_activation(x2d, rows_cfg: OperandConfig, cols_cfg: OperandConfig, pow2: bool, cublas: bool,
@@ -161,7 +161,7 @@ def _quantize_activation(x2d, rows_cfg: OperandConfig, cols_cfg: OperandConfig, 
     rows_pad, cols_pad = pads
     if x2d.stride(1) != 1:  # the kernels read rows with unit stride
         x2d = x2d.contiguous()
-    if (cublas and _triton_quant is not None and _is_tile(rows_cfg) and _is_tile(cols_cfg)
+    if (cublas and _kernels is not None and _is_tile(rows_cfg) and _is_tile(cols_cfg)
             and rows_pad == cols_pad == _CONTRACTION_PAD):
         qr, sr, qc, sc = _tiles(x2d, rows_cfg.fmt, cols_cfg.fmt, pow2, rows_pad, cols)
         return Fp8Tensor(qr, sr.t(), _TILE, rows_cfg.fmt), Fp8Tensor(qc, sc.t(), _TILE, cols_cfg.fmt) if cols else None
@@ -180,7 +180,7 @@ def _quantize_weight_cfg(w: Tensor, cfg: OperandConfig, cfg_t: OperandConfig, po
     pad, pad_t = pads
     if w.stride(1) != 1:
         w = w.contiguous()
-    if (cublas and _triton_quant is not None and cfg.fmt is not None and cfg.block == (128, 128) and cfg_t == cfg
+    if (cublas and _kernels is not None and cfg.fmt is not None and cfg.block == (128, 128) and cfg_t == cfg
             and pad == pad_t == _CONTRACTION_PAD):
         q, qt, s = _blocks(w, cfg.fmt, pow2, pad)
         kb = -(-w.shape[1] // 128)
@@ -307,7 +307,7 @@ def _route(a_key: str, b_key: str) -> str | None:
 def _activation_impl(x: Tensor, rows: str, cols: str, pow2: bool, rows_pad: int, cols_pad: int, make_cols: bool,
                      cublas: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     rc, cc = _parse_key(rows), _parse_key(cols)
-    if not (cublas and _triton_quant is not None and _is_tile(rc) and _is_tile(cc)
+    if not (cublas and _kernels is not None and _is_tile(rc) and _is_tile(cc)
             and rows_pad == cols_pad == _CONTRACTION_PAD):
         r, c = _quantize_activation(x, rc, cc, pow2, cublas, (rows_pad, cols_pad), make_cols)
         return pack_pair(r, c, x)

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import _fsdp_fp8
+from ..fp8 import fsdp as _fsdp_fp8
 
 from .checkpoint import _fsync_dir
 

@@ -18,8 +18,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .linear import FP8Linear
 from .recipe import Fp8Recipe, make_recipe
 
-__all__ = ["ConversionReport", "convert_to_fp8", "compile_options", "cache_fp8_weights", "track_fp8_health",
-           "summarize_fp8_health", "DECODER_PROJECTIONS"]
+__all__ = ["ConversionReport", "convert_to_fp8", "compile_options", "cache_fp8_weights", "DECODER_PROJECTIONS"]
 
 DECODER_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -88,7 +87,7 @@ def compile_options() -> dict:
     They add a joint-graph pass that quantizes an input once for all the FP8 Linears that read it (q/k/v,
     gate/up), as eager mode does; without it a compiled layer on CUDA quantizes (and saves for the
     backward) those inputs once per Linear. Harmless for a model without FP8 Linears."""
-    from ._inductor_pass import _ShareQuantization
+    from .compile import _ShareQuantization
 
     return {"joint_custom_pre_pass": _ShareQuantization()}
 
@@ -109,39 +108,3 @@ def cache_fp8_weights(model: nn.Module) -> Iterator[None]:
         for m in layers:
             m._cache_weight = False
             m._weight_cache = None
-
-
-@contextlib.contextmanager
-def track_fp8_health(model: nn.Module) -> Iterator[dict]:
-    """A forward + backward inside this context fills the yielded dict:
-    {layer fqn: {"input" | "weight" | "grad_output": {"underflow", "saturation", "scale_min", "scale_max"}}}
-    underflow = fraction of non-zero values that became 0 in FP8; saturation = fraction at +-fmt.max."""
-    stats: dict = {}
-    layers = [(n, m) for n, m in model.named_modules() if isinstance(m, FP8Linear) and m.recipe.enabled]
-    for name, m in layers:
-        m._health = stats.setdefault(name, {})
-    try:
-        yield stats
-    finally:
-        for _, m in layers:
-            m._health = None
-
-
-def summarize_fp8_health(stats: dict) -> dict:
-    """Aggregate per-layer health by layer type (q_proj, ..., down_proj) and role: the mean underflow and
-    saturation fractions and the overall scale range."""
-    acc: dict = defaultdict(lambda: {"underflow": [], "saturation": [], "scale_min": [], "scale_max": []})
-    for fqn, roles in stats.items():
-        kind = fqn.rsplit(".", 1)[-1]
-        for role, s in roles.items():
-            for k in acc[(kind, role)]:
-                acc[(kind, role)][k].append(s[k])
-    out: dict = {}
-    for (kind, role), v in sorted(acc.items()):
-        out.setdefault(kind, {})[role] = {
-            "underflow": sum(v["underflow"]) / len(v["underflow"]),
-            "saturation": sum(v["saturation"]) / len(v["saturation"]),
-            "scale_min": min(v["scale_min"]),
-            "scale_max": max(v["scale_max"]),
-        }
-    return out

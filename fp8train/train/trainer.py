@@ -23,14 +23,15 @@ import torch
 import yaml
 from torch import nn
 
+from ..data import GlobalBatchSampler, build_cpt_datasets, build_sft_datasets, collate, rank_slice
+from ..fp8.convert import cache_fp8_weights, convert_to_fp8
+from ..fp8.health import track_fp8_health
+from ..fp8.recipe import make_recipe
 from .checkpoint import export_hf, find_latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainConfig, config_to_dict
-from .convert import cache_fp8_weights, convert_to_fp8, track_fp8_health
-from .data import GlobalBatchSampler, build_cpt_datasets, build_sft_datasets, collate, rank_slice
 from .metrics import MetricsLogger, Throughput, flops_per_token, peak_memory_gib, peak_tflops
 from .model import build_model, load_model_tokenizer, parallelize_model
 from .optim import build_optimizer, build_scheduler, clip_grad_norm
-from .recipe import make_recipe
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ import triton.testing
 
 from fp8train import FP8Linear, cache_fp8_weights
 from fp8train.fp8 import kernels as _triton_quant
-from fp8train.fp8.ops import _fp8_mm, _quantize_activation, _quantize_weight
+from fp8train.fp8 import ops
 from fp8train.fp8.recipe import make_recipe
 
 SHAPES = {  # (N, K) = (out_features, in_features)
@@ -61,22 +61,25 @@ def bench_shape(M: int, N: int, K: int) -> dict:
     with cache_fp8_weights(fp8):  # later micro-batches of a step
         r["fp8_fwdbwd_cached_w"] = _ms(lambda: fp8(x).backward(g))
 
-    recipe = make_recipe("hybrid")
+    plan = ops.LinearPlan.of(make_recipe("hybrid"), cublas=True)
     with torch.no_grad():
-        xa, xt = _quantize_activation(x.detach(), recipe.output.a, recipe.grad_weight.b, True, True, (512, 512))
-        ga, gt = _quantize_activation(g, recipe.grad_input.a, recipe.grad_weight.a, True, True, (512, 512))
-        wo, wgi = _quantize_weight(fp8.weight.detach(), recipe, True)
+        xa, xa_s, xt, xt_s = ops.quantize_input(x.detach(), plan, make_cols=True)
+        ga, ga_s, *_ = ops.quantize_input(g, plan, make_cols=False)  # grad_output rows: the input's specs
+        gt, gt_s = ops.quantize_operand(g.t(), plan.g_t, True)
         wb = fp8.weight.detach()
-        r["gemm_output_fp8"] = _ms(lambda: _fp8_mm(xa, wo, torch.bfloat16, True))
-        r["gemm_grad_input_fp8"] = _ms(lambda: _fp8_mm(ga, wgi, torch.bfloat16, True))
-        r["gemm_grad_weight_fp8"] = _ms(lambda: _fp8_mm(gt, xt, torch.float32, True))
+        wo, wo_s = ops.quantize_weight(wb, plan.w, True, False, True)
+        wgi, wgi_s = ops.quantize_weight(wb, plan.w_t, True, True, True)
+        r["gemm_output_fp8"] = _ms(lambda: ops.gemm(xa, xa_s, plan.x, wo, wo_s, plan.w, torch.bfloat16, True))
+        r["gemm_grad_input_fp8"] = _ms(lambda: ops.gemm(ga, ga_s, plan.g, wgi, wgi_s, plan.w_t, torch.bfloat16, True))
+        r["gemm_grad_weight_fp8"] = _ms(lambda: ops.gemm(gt, gt_s, plan.g_t, xt, xt_s, plan.x_t, torch.float32, True))
         r["gemm_output_bf16"] = _ms(lambda: torch.mm(x.detach(), wb.t()))
         r["gemm_grad_input_bf16"] = _ms(lambda: torch.mm(g, wb))
         r["gemm_grad_weight_bf16"] = _ms(lambda: torch.mm(g.t(), x.detach()))
-        fmt = recipe.output.a.fmt
+        fmt = plan.x.fmt
         r["quant_input"] = _ms(lambda: _triton_quant.quantize_tiles_and_transpose(x.detach(), fmt, fmt, True, 512))
         r["quant_grad_output"] = _ms(lambda: _triton_quant.quantize_tiles_and_transpose(g, fmt, fmt, True, 512))
-        r["quant_weight"] = _ms(lambda: _triton_quant.quantize_blocks_and_transpose(wb, fmt, True, 512))
+        r["quant_weight"] = _ms(lambda: (_triton_quant.quantize_blocks(wb, fmt, True, 512),
+                                         _triton_quant.quantize_blocks(wb, fmt, True, 512, transpose=True)))
     return r
 
 

@@ -124,7 +124,8 @@ def main(argv=None) -> int:
         act[f"strip t{tiles} s{stages}"] = lambda x, t=tiles, s=stages: strip_quantize(x, t, s)
     if legacy is not None:
         act["legacy"] = lambda x: legacy.quantize_tiles_and_transpose(x, E4M3, E4M3, True, 512)
-    wgt = {f"w{w}": (lambda w_, w=w: tq.quantize_blocks_and_transpose(w_, E4M3, True, 512, num_warps=w)) for w in (4, 8, 16)}
+    wgt = {f"w{w}": (lambda w_, w=w: (tq.quantize_blocks(w_, E4M3, True, 512, num_warps=w),
+                                      tq.quantize_blocks(w_, E4M3, True, 512, True, num_warps=w))) for w in (4, 8, 16)}
     if legacy is not None:
         wgt["legacy"] = lambda w_: legacy.quantize_blocks_and_transpose(w_, E4M3, True, 512)
 

@@ -38,25 +38,20 @@ class _ServedFp8Linear(torch.nn.Module):
 
     def __init__(self, weight: torch.Tensor, scale_inv: torch.Tensor, bias: torch.Tensor | None, cublas: bool):
         super().__init__()
-        from fp8train.fp8.ops import _CONTRACTION_PAD
-        from fp8train.fp8.quant import Fp8Tensor
+        from fp8train.fp8 import ops
+        from fp8train.fp8.recipe import make_recipe
 
-        n, k = weight.shape
-        self.cublas, self.pad = cublas, _CONTRACTION_PAD if cublas else 1  # emulated: dequantize + FP32 matmul
-        kp = -(-k // self.pad) * self.pad  # cuBLAS: whole groups of four 128-blocks
-        data = torch.nn.functional.pad(weight.view(torch.uint8), (0, kp - k)).view(weight.dtype)
-        scale = torch.nn.functional.pad(scale_inv.float(), (0, -(-kp // 128) - scale_inv.shape[1]), value=1.0)
-        self.w = Fp8Tensor(data.contiguous(), scale.contiguous(), (128, 128), Fp8Format.E4M3)
+        # the hybrid recipe's output GEMM: 1x128 activation tiles x the exported 128x128 weight blocks
+        self.plan = ops.LinearPlan.of(make_recipe("hybrid"), cublas)  # cuBLAS: K padded to 512, else emulated
+        self.w = ops.pad_operand(weight.contiguous(), scale_inv.float().contiguous(), self.plan.w)
         self.bias = bias
 
     def forward(self, x):
-        from fp8train.fp8.ops import _fp8_mm, _quantize_activation
-        from fp8train.fp8.recipe import OperandConfig
+        from fp8train.fp8 import ops
 
-        tile = OperandConfig(Fp8Format.E4M3, (1, 128))
         x2d = x.reshape(-1, x.shape[-1])
-        xa, _ = _quantize_activation(x2d, tile, tile, False, self.cublas, (self.pad, self.pad), cols=False)
-        y = _fp8_mm(xa, self.w, torch.bfloat16, self.cublas)
+        xa, xa_s, _, _ = ops.quantize_input(x2d, self.plan, make_cols=False)
+        y = ops.gemm(xa, xa_s, self.plan.x, *self.w, self.plan.w, torch.bfloat16, self.plan.cublas)
         if self.bias is not None:
             y = y + self.bias
         return y.view(*x.shape[:-1], -1)

@@ -36,32 +36,29 @@ def _per_call_us(fn, n: int = 300) -> float:
 def pieces() -> list[tuple[str, float]]:
     import torch.nn.functional as F
 
-    from fp8train.fp8 import ops as o
     from fp8train.fp8 import kernels as _triton_quant
-    from fp8train.fp8.recipe import Fp8Format
+    from fp8train.fp8 import ops as o
+    from fp8train.fp8.recipe import Fp8Format, make_recipe
 
-    t, b = "e4m3:1x128", "e4m3:128x128"
+    plan = o.LinearPlan.of(make_recipe("hybrid"), cublas=True)
     x = torch.randn(256, 1536, device="cuda").bfloat16()
     w = torch.randn(512, 1536, device="cuda")
     dy = torch.randn(256, 512, device="cuda").bfloat16()
-    act = (x, t, t, True, 512, 512, True, True)
-    xr, xr_s, xc, xc_s = o._activation_impl(*act)
-    wq, wq_s, wt, wt_s = o._weight_impl(w, b, b, True, 512, 512, True)
-    mm = (xr, xr_s, wq, wq_s, t, b, torch.bfloat16, True)
-    fwd = (xr, xr_s, w, t, b, b, True, 512, 512, torch.bfloat16, True)
-    bwd = (dy, wt, wt_s, xc, xc_s, t, t, b, t, True, 512, 512, True, True, torch.bfloat16, True)
+    xr, xr_s, xc, xc_s = o.quantize_input(x, plan, True)
+    wq, wq_s = o.quantize_weight(w, plan.w, True, False, True)
+    fwd = (xr, xr_s, w, None, None, plan.key, torch.bfloat16)
+    bwd = (dy, w, None, None, xc, xc_s, plan.key, True, True, torch.bfloat16)
     ST = F.ScalingType
     return [
         ("torch.empty x4", _per_call_us(lambda: [torch.empty(256, 1536, device="cuda") for _ in range(4)])),
         ("Triton activation kernel (wrapper)", _per_call_us(
             lambda: _triton_quant.quantize_tiles_and_transpose(x, Fp8Format.E4M3, Fp8Format.E4M3, True, 512))),
-        ("quantize_activation impl", _per_call_us(lambda: o._activation_impl(*act))),
-        ("quantize_activation custom op", _per_call_us(lambda: torch.ops.fp8train.quantize_activation(*act))),
+        ("quantize_input", _per_call_us(lambda: o.quantize_input(x, plan, True))),
+        ("quantize_input custom op", _per_call_us(lambda: torch.ops.fp8train.quantize_input(x, plan.key, True))),
         ("F.scaled_mm blockwise", _per_call_us(lambda: F.scaled_mm(
             xr, wq.t(), xr_s.t(), ST.BlockWise1x128, wq_s.t(), ST.BlockWise128x128, output_dtype=torch.bfloat16))),
-        ("fp8_mm impl", _per_call_us(lambda: o._mm_impl(*mm))),
-        ("fp8_mm custom op", _per_call_us(lambda: torch.ops.fp8train.fp8_mm(*mm))),
-        ("quantize_weight impl", _per_call_us(lambda: o._weight_impl(w, b, b, True, 512, 512, True))),
+        ("gemm", _per_call_us(lambda: o.gemm(xr, xr_s, plan.x, wq, wq_s, plan.w, torch.bfloat16, True))),
+        ("quantize_weight", _per_call_us(lambda: o.quantize_weight(w, plan.w, True, False, True))),
         ("linear_forward custom op", _per_call_us(lambda: torch.ops.fp8train.linear_forward(*fwd))),
         ("linear_backward custom op", _per_call_us(lambda: torch.ops.fp8train.linear_backward(*bwd))),
         ("bf16 torch.mm (reference)", _per_call_us(lambda: torch.mm(x, w.bfloat16().t()))),

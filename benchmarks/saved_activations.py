@@ -6,9 +6,11 @@ Activation memory is the part of the peak that an FP8 recipe can change (weights
 states are FP32 in every variant), and it is a property of the autograd graph, not of the GPU: every
 tensor saved for backward is recorded (saved-tensor hooks, one count per storage) while one layer of the
 real shape runs forward under BF16 autocast. "compiled" uses AOTAutograd's min-cut partitioner, the one
-inductor uses (backend `aot_eager_decomp_partition`: the same graph split, eager kernels). Saved tensors
-with a weight's element count are reported per parameter (BF16 autocast copies, FP8 W.T); the rest per
-token. Token count: any size that divides no layer width keeps the two kinds apart.
+inductor uses (backend `aot_eager_decomp_partition`: the same graph split, eager kernels). The parameters
+themselves are not counted (they are alive anyway); other saved tensors with a weight's element count are
+reported per parameter (BF16 autocast copies, FP8 weight copies); the rest per token. Token count: any size
+that divides no layer width keeps the two kinds apart. Recipes take `fp8train bench`'s variant modifiers
+(`hybrid+wgrad_from_fp8`).
 """
 
 from __future__ import annotations
@@ -21,21 +23,25 @@ import torch._dynamo
 
 def saved_bytes(preset: str, recipe: str, compiled: bool, tokens: int) -> dict:
     from fp8train import convert_to_fp8
+    from fp8train.bench import parse_variant
     from fp8train.train.model import ModelConfig, build_model, decoder_layers
 
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = build_model(ModelConfig(source=preset, vocab_size=1024, num_layers=1))
-    convert_to_fp8(model, recipe)
+    base, custom, _ = parse_variant(recipe)
+    convert_to_fp8(model, custom or base)
     layer = decoder_layers(model)[0]
     fn = torch.compile(layer, backend="aot_eager_decomp_partition") if compiled else layer
     h = torch.randn(1, tokens, model.config.hidden_size, requires_grad=True)
     pos = torch.arange(tokens)[None]
     cos_sin = model.model.rotary_emb(h, pos)
     saved: dict[int, tuple[int, int]] = {}
+    params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
 
     def pack(t):
-        saved[t.untyped_storage().data_ptr()] = (t.untyped_storage().nbytes(), t.numel())
+        if t.untyped_storage().data_ptr() not in params:
+            saved[t.untyped_storage().data_ptr()] = (t.untyped_storage().nbytes(), t.numel())
         return t
 
     for _ in range(2):  # the first call compiles

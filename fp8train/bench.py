@@ -8,18 +8,24 @@ grad clipping) on the same random tokens from the same initial weights; only the
   hybrid, tensorwise   fp8train.convert_to_fp8 with that recipe
   torchao-tensorwise,  torchao.float8.convert_to_float8_training (LM head left in BF16), when torchao
   torchao-rowwise      is importable
+A variant may carry modifiers, for A/B runs in one process: `hybrid+wgrad_from_fp8` (the recipe's
+`wgrad_input_from_fp8`: one FP8 copy of each input, input.T re-quantized from it in the backward) and
+`hybrid@inductor` (under torch.compile, activations quantized by the traced reference ops, which inductor
+fuses into the kernel producing them, instead of fp8train's Triton kernel).
 `compiled` applies torch.compile to each decoder layer, for every variant alike (the trainer's
 `train.compile`); `cudagraphs` also replays each layer as CUDA graphs (`train.cuda_graphs`). Step time
 is the median of the timed steps after the warm-up; peak memory is torch.cuda.max_memory_allocated over
 the timed steps (with cudagraphs over all steps: the graphs' pool is allocated while recording). Ratios
 are to BF16 at the same model, length and mode, measured in the same process. `--profile` adds the CUDA
 kernel time of one step by category (FP8 and BF16 GEMMs told apart by the cuBLAS kernel name, which a
-CUDA graph replay keeps).
+CUDA graph replay keeps); `--memory` a breakdown of the peak: FP32 parameters, gradients and AdamW states,
+and what the step saves for backward by kind (FP8, BF16, FP32, the vocabulary-wide logits).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import re
@@ -31,10 +37,12 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["BenchCase", "run_case", "categorize_profile", "markdown_table", "main"]
+__all__ = ["BenchCase", "run_case", "parse_variant", "categorize_profile", "top_kernel_times", "memory_breakdown",
+           "markdown_table", "main"]
 
 BF16_PEAK = 989.0  # dense TFLOP/s, H100/H200 SXM datasheet; MFU is against it for every variant
 VARIANTS = ("bf16", "hybrid", "tensorwise", "torchao-tensorwise", "torchao-rowwise")
+_MODIFIERS = ("wgrad_from_fp8",)  # `name+modifier`; `name@inductor`: see the module docstring
 MODES = ("eager", "compiled", "cudagraphs")
 
 _KERNEL_CATEGORIES = [  # (category, regex on the CUDA kernel name), first match wins
@@ -96,11 +104,106 @@ def _convert_torchao(model, recipe: str) -> None:
                                module_filter_fn=lambda mod, fqn: fqn != "lm_head")
 
 
+def top_kernel_times(prof, n: int) -> list[tuple[str, str, float]]:
+    """The n CUDA kernels with the most device time in the profile: (category, name, ms)."""
+    from torch.autograd import DeviceType
+
+    rows = []
+    for evt in prof.key_averages():
+        t = evt.self_device_time_total / 1e3
+        if evt.device_type != DeviceType.CPU and t > 0:
+            name = evt.key
+            cat = next(cat for cat, pat in _KERNEL_CATEGORIES if re.search(pat, name.lower()))
+            rows.append((cat, name[:120], t))
+    return sorted(rows, key=lambda r: -r[2])[:n]
+
+
+def memory_breakdown(trainer, batches: list[dict]) -> dict[str, float]:
+    """GiB of one training step's peak by kind: the FP32 parameters, gradients and optimizer states, and what
+    the forward saves for backward (one count per storage, parameters left out), split into FP8, BF16, FP32
+    and the vocabulary-wide tensors of the LM head and loss; `other at peak` is the peak minus parameters,
+    optimizer states and saved tensors (the gradients alive at the peak, temporaries, workspaces)."""
+    from collections import defaultdict
+
+    model, opt = trainer.model, trainer.optimizer
+    vocab = model.config.vocab_size
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[str, int] = defaultdict(int)
+    seen: set[int] = set()
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in seen and ptr not in params:
+            seen.add(ptr)
+            kind = ("saved: logits/loss (vocab-wide)" if t.dim() and t.shape[-1] == vocab else
+                    "saved: FP8" if t.element_size() == 1 and t.is_floating_point() else
+                    f"saved: {str(t.dtype).removeprefix('torch.')}")
+            saved[kind] += storage.nbytes()
+        return t
+
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        trainer.train_step(batches)
+    torch.cuda.synchronize()
+    gib = 2.0 ** 30
+    nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts) / gib  # noqa: E731
+    out = {"FP32 parameters": nbytes(model.parameters()),
+           "gradients": nbytes(p.grad for p in model.parameters() if p.grad is not None),
+           "optimizer states": nbytes(t for s in opt.state.values() for t in s.values() if torch.is_tensor(t)),
+           **{k: v / gib for k, v in sorted(saved.items())}}
+    peak = torch.cuda.max_memory_allocated() / gib
+    out["other at peak"] = peak - out["FP32 parameters"] - out["optimizer states"] - sum(v / gib for v in saved.values())
+    out["peak allocated"] = peak
+    out["allocator reserve over peak"] = torch.cuda.max_memory_reserved() / gib - peak
+    return out
+
+
+def parse_variant(name: str):
+    """(base variant, Fp8Recipe or None, inductor-quantized activations) of a variant name with modifiers."""
+    from dataclasses import replace
+
+    from .fp8.recipe import make_recipe
+
+    base, _, impl = name.partition("@")
+    base, *mods = base.split("+")
+    if base not in VARIANTS or impl not in ("", "inductor") or any(m not in _MODIFIERS for m in mods):
+        raise ValueError(f"unknown variant {name!r}: one of {list(VARIANTS)}, optionally with "
+                         f"{['+' + m for m in _MODIFIERS]} and/or '@inductor'")
+    recipe = None
+    if mods:
+        recipe = replace(make_recipe(base), wgrad_input_from_fp8="wgrad_from_fp8" in mods)
+    return base, recipe, impl == "inductor"
+
+
+@contextlib.contextmanager
+def _activation_quantization(inductor: bool):
+    """The `@inductor` experiment: ops' switch set while a case traces, then restored."""
+    from .fp8 import ops
+
+    previous = ops._INDUCTOR_QUANTIZES_ACTIVATIONS
+    ops._INDUCTOR_QUANTIZES_ACTIVATIONS = inductor
+    try:
+        yield
+    finally:
+        ops._INDUCTOR_QUANTIZES_ACTIVATIONS = previous
+
+
 def run_case(case: BenchCase, *, steps: int = 5, warmup: int = 2, device: str = "cuda", profile: bool = False,
-             activation_checkpointing: bool = False) -> dict:
+             activation_checkpointing: bool = False, memory: bool = False, top_kernels: int = 0) -> dict:
     """Build the model, run `warmup + steps` training steps of one sequence, return the measurements."""
-    from .train.config import LoopConfig, TrainConfig
+    base, custom, inductor_quant = parse_variant(case.variant)
+    with _activation_quantization(inductor_quant):
+        return _run_case(case, base, custom, steps, warmup, device, profile, activation_checkpointing, memory,
+                         top_kernels)
+
+
+def _run_case(case: BenchCase, base: str, custom, steps: int, warmup: int, device: str, profile: bool,
+              activation_checkpointing: bool, memory: bool, top_kernels: int) -> dict:
     from .data import CptDataConfig
+    from .fp8.convert import convert_to_fp8
+    from .train.config import LoopConfig, TrainConfig
     from .train.metrics import flops_per_token
     from .train.model import PRESETS, ModelConfig, build_model
     from .train.optim import OptimConfig
@@ -114,10 +217,12 @@ def run_case(case: BenchCase, *, steps: int = 5, warmup: int = 2, device: str = 
     torch.manual_seed(0)
     with torch.device(device):
         model = build_model(mcfg)
-    recipe = case.variant
-    if case.variant.startswith("torchao-"):
-        _convert_torchao(model, case.variant.split("-", 1)[1])
+    recipe, fp8_layers = base, None
+    if base.startswith("torchao-"):
+        _convert_torchao(model, base.split("-", 1)[1])
         recipe = "bf16"
+    elif custom is not None:  # the trainer finds the Linears converted already
+        fp8_layers = len(convert_to_fp8(model, custom).converted)
     vocab, seq = model.config.vocab_size, case.seq
     g = torch.Generator().manual_seed(1)
     rows = [{"input_ids": (ids := torch.randint(0, vocab, (seq,), generator=g)), "labels": ids,
@@ -150,9 +255,10 @@ def run_case(case: BenchCase, *, steps: int = 5, warmup: int = 2, device: str = 
            "mode": case.mode, "step_ms": step_s * 1e3, "tokens_per_s": seq / step_s, "tflops": tflops,
            "mfu_bf16_peak": tflops / BF16_PEAK, "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda
            else float("nan"), "loss_first": losses[0], "loss_last": losses[-1],
-           "fp8_layers": len(trainer.fp8_report.converted), "first_step_s": times[0],
+           "fp8_layers": fp8_layers if fp8_layers is not None else len(trainer.fp8_report.converted),
+           "first_step_s": times[0],
            "skipped_steps": trainer.skipped_steps}  # non-finite steps skip the optimizer: not a valid timing
-    if profile:
+    if profile or top_kernels:
         from torch.profiler import ProfilerActivity
         from torch.profiler import profile as torch_profile
 
@@ -161,6 +267,10 @@ def run_case(case: BenchCase, *, steps: int = 5, warmup: int = 2, device: str = 
             trainer.train_step(batches)
             sync()
         res["profile_ms"] = categorize_profile(prof)
+        if top_kernels:
+            res["top_kernels_ms"] = top_kernel_times(prof, top_kernels)
+    if memory and cuda:
+        res["memory_gib"] = memory_breakdown(trainer, trainer._micro_batches(next(iter(trainer.sampler))))
     del trainer, model, rows
     gc.collect()
     if cuda:
@@ -195,6 +305,13 @@ def markdown_table(results: list[dict]) -> str:
             p = r["profile_ms"]
             lines.append(f"| {r['model']}/{r['layers']} | {r['seq']} | {r['mode']} | "
                          f"{r['variant']} | " + " | ".join(f"{p.get(c, 0.0):.1f}" for c in cats) + " |")
+    for r in (r for r in results if "memory_gib" in r):
+        lines += ["", f"Peak memory by kind, GiB: {r['model']}/{r['layers']} {r['seq']} {r['mode']} {r['variant']}", "",
+                  "| kind | GiB |", "|---|---|"] + [f"| {k} | {v:.2f} |" for k, v in r["memory_gib"].items()]
+    for r in (r for r in results if "top_kernels_ms" in r):
+        lines += ["", f"Top kernels, ms: {r['model']}/{r['layers']} {r['seq']} {r['mode']} {r['variant']}", "",
+                  "| category | kernel | ms |", "|---|---|---|"] + [f"| {c} | `{k}` | {t:.2f} |"
+                                                                 for c, k, t in r["top_kernels_ms"]]
     return "\n".join(lines)
 
 
@@ -210,13 +327,16 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                    help="model presets, optionally with a layer count (qwen2.5-7b:16)")
     p.add_argument("--seq", type=int, nargs="+", default=[8192])
     p.add_argument("--vocab", type=int, default=None, help="embedding rows (default: the preset's)")
-    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), metavar="VARIANT",
+                   help=f"{', '.join(VARIANTS)}; modifiers: +wgrad_from_fp8, @inductor (see above)")
     p.add_argument("--modes", nargs="+", default=["compiled"], choices=MODES,
                    help="compiled: torch.compile per layer; cudagraphs: also CUDA graphs (no per-kernel launch cost)")
     p.add_argument("--steps", type=int, default=5, help="timed steps (median)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens here)")
     p.add_argument("--ac", action="store_true", help="activation checkpointing (every variant)")
     p.add_argument("--profile", action="store_true", help="kernel time by category of one more step")
+    p.add_argument("--top-kernels", type=int, default=0, metavar="N", help="also list the N slowest kernels")
+    p.add_argument("--memory", action="store_true", help="peak memory by kind, one more step (GPU)")
     p.add_argument("--device", default="cuda", help="cuda; cpu only to smoke-test the harness")
     p.add_argument("--out", default=None, help="append each result as a JSON line to this file")
     return p
@@ -236,7 +356,8 @@ def main(args: argparse.Namespace | list[str] | None = None) -> int:
                     case = BenchCase(name, layers, seq, variant, mode, args.vocab)
                     try:
                         r = run_case(case, steps=args.steps, warmup=args.warmup, device=args.device,
-                                     profile=args.profile, activation_checkpointing=args.ac)
+                                     profile=args.profile, activation_checkpointing=args.ac, memory=args.memory,
+                                     top_kernels=args.top_kernels)
                     except Exception as e:  # a peer that fails to import or run (OOM) is reported, not fatal
                         print(f"{case}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
                         gc.collect()

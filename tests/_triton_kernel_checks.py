@@ -82,13 +82,18 @@ def interpret() -> dict:
         if x.dtype == torch.float32 and x.shape[0] % 128 == 0:  # weights: FP32 masters, 128x128 blocks
             for pow2 in (True, False):
                 fmt = Fp8Format.E4M3
-                q, qt, s = tq.quantize_blocks_and_transpose(x, SimpleNamespace(dtype=torch.float32, max=fmt.max), pow2, 512)
+                fake = SimpleNamespace(dtype=torch.float32, max=fmt.max)
+                q, s = tq.quantize_blocks(x, fake, pow2, 512)
+                qt, st = tq.quantize_blocks(x, fake, pow2, 512, transpose=True)
                 nb, kb = M // 128, -(-K // 128)
                 blocks = torch.nn.functional.pad(x, (0, kb * 128 - K)).view(nb, 128, kb, 128)
                 rs = compute_scale(blocks.abs().amax(dim=(1, 3)), fmt, pow2)
                 rq = (blocks / rs[:, None, :, None]).clamp(-fmt.max, fmt.max).reshape(M, kb * 128)[:, :K]
                 ok = torch.equal(_bits(q[:, :K]), _bits(rq)) and torch.equal(_bits(qt[:, :M]), _bits(rq.t()))
-                ok &= torch.equal(_bits(s[:, :kb]), _bits(rs))
+                ok &= torch.equal(_bits(s[:, :kb]), _bits(rs)) and torch.equal(_bits(st[:, :nb]), _bits(rs.t()))
+                ok &= not q[:, K:].any() and not qt[:, M:].any()  # padding: zero data, scale 1
+                ok &= bool((s[:, kb:] == 1).all()) and bool((st[:, nb:] == 1).all())
+                ok &= q.shape == (M, 512 * -(-K // 512)) and qt.shape == (K, 512 * -(-M // 512))
                 if not ok:
                     failures.append(f"weight {name} pow2={pow2}")
     return {"failures": failures}
@@ -113,18 +118,19 @@ def compile_sm90() -> dict:
     act_sig.update(x_ptr="*bf16", M="i32", K="i32", stride_xm="i32", qr_ptr="*fp8e4nv", sr_ptr="*fp32", Kp="i32",
                    qc_ptr="*fp8e4nv", sc_ptr="*fp32", Mp="i32")
     w_sig = {n: "constexpr" for n in tq._weight_kernel.arg_names}
-    w_sig.update(w_ptr="*fp32", N="i32", K="i32", stride_wn="i32", q_ptr="*fp8e4nv", Kp="i32", qt_ptr="*fp8e4nv",
-                 Np="i32", s_ptr="*fp32", KB="i32")
+    w_sig.update(w_ptr="*fp32", N="i32", K="i32", stride_wn="i32", q_ptr="*fp8e4nv", ld_q="i32", s_ptr="*fp32",
+                 ld_s="i32")
     out = {}
     for cols in (True, False):
         consts = dict(ROW_MAX=448.0, COL_MAX=448.0, POW2=True, COLS=cols, BF16=True, BLOCK=128)
         k = triton.compile(ASTSource(tq._act_kernel, act_sig, consts, aligned), target=target,
                            options={"num_warps": tq._NUM_WARPS})
         out[f"activation cols={cols}"] = _resources(k)
-    consts = dict(FMT_MAX=448.0, POW2=True, BF16=False, BLOCK=128)
-    k = triton.compile(ASTSource(tq._weight_kernel, w_sig, consts, aligned), target=target,
-                       options={"num_warps": tq._NUM_WARPS})
-    out["weight"] = _resources(k)
+    for transpose in (False, True):
+        consts = dict(FMT_MAX=448.0, POW2=True, BF16=False, TRANSPOSE=transpose, BLOCK=128)
+        k = triton.compile(ASTSource(tq._weight_kernel, w_sig, consts, aligned), target=target,
+                           options={"num_warps": tq._NUM_WARPS})
+        out[f"weight transpose={transpose}"] = _resources(k)
     return out
 
 

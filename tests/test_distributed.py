@@ -133,8 +133,11 @@ def _gathered_blocks_match(model, report, info) -> dict:
             mod = model.get_submodule(fqn)
             w, master = mod.weight, full[f"{fqn}.weight"]
             ref = quantize(master, (128, 128), "e4m3", pow2_scale=True)
-            ops = mod._weight_operands(w, False)  # (W data, scale, W.T data, scale)
-            ref_ops = fp8_ops.pack_pair(*fp8_ops._quantize_weight(master, mod.recipe, False), master)
+            plan = fp8_ops.LinearPlan.of(mod.recipe, cublas=False)
+            w_op = w.fp8_operand(plan.w, plan.pow2)  # what FP8Linear's forward takes; its backward transposes it
+            ops = (*w_op, *fp8_ops.transpose_weight(*w_op, plan.w, plan.w_t, master.shape[1]))
+            ref_ops = (*fp8_ops.quantize_weight(master, plan.w, True, False, False),
+                       *fp8_ops.quantize_weight(master, plan.w_t, True, True, False))
             result[fqn] = {
                 "type": type(w).__name__,
                 "data": torch.equal(w._data.view(torch.uint8), ref.data.view(torch.uint8)),
@@ -436,20 +439,22 @@ def test_sharded_weight_behaves_as_its_fp32_tensor():
 
 @pytest.mark.parametrize("cublas", [False, True])
 def test_gathered_weight_gives_fp8linear_its_operands(monkeypatch, cublas):
-    """The operands FP8Linear takes from an FP8-gathered weight equal the ones it would quantize itself,
-    including the cuBLAS layout (contraction padded to 512 with zero data and scale 1), bit for bit."""
+    """The operands FP8Linear takes from an FP8-gathered weight (W in the forward, its transpose W.T in the
+    backward) equal the ones it would quantize itself, including the cuBLAS layout (contraction padded to
+    512 with zero data and scale 1), bit for bit."""
     monkeypatch.setattr(fp8_ops, "_kernels", None)  # the reference layout, on any machine
     w = torch.randn(256, 384) * torch.logspace(-3, 1, 384)  # K=384 and N=256 both need padding to 512
     q = quantize(w, (128, 128), "e4m3", pow2_scale=True)
     gathered = _Fp8GatheredWeight(q.data, q.scale, torch.bfloat16, Fp8Format.E4M3, True)
-    recipe = make_recipe("hybrid")
-    ops, ref = gathered.fp8_operands(recipe, cublas), fp8_ops._quantize_weight(w, recipe, cublas)
-    for a, b in zip(ops, ref):
-        assert a.data.shape == b.data.shape and a.block == b.block == (128, 128)
-        assert torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8)) and torch.equal(a.scale, b.scale)
+    plan = fp8_ops.LinearPlan.of(make_recipe("hybrid"), cublas)
+    w_op = gathered.fp8_operand(plan.w, plan.pow2)
+    got = (w_op, fp8_ops.transpose_weight(*w_op, plan.w, plan.w_t, 384))
+    ref = (fp8_ops.quantize_weight(w, plan.w, True, False, cublas), fp8_ops.quantize_weight(w, plan.w_t, True, True, cublas))
+    for (a, a_s), (b, b_s) in zip(got, ref):
+        assert a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8)) and torch.equal(a_s, b_s)
     assert gathered.dtype == torch.bfloat16 and torch.equal((gathered * 1).float(), q.dequantize().bfloat16().float())
-    with pytest.raises(RuntimeError, match="does not match the layer's recipe"):
-        gathered.fp8_operands(make_recipe("hybrid", pow2_scale=False), cublas)
+    with pytest.raises(RuntimeError, match="does not match the layer's weight operand"):
+        gathered.fp8_operand(plan.w, False)
     with pytest.raises(RuntimeError, match="read-only"):
         gathered.add_(1.0)
 

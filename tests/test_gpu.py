@@ -4,6 +4,8 @@ Quantization must match bit for bit (Triton kernels vs the torch reference, GPU 
 GEMMs must match the CPU emulation up to FP32 summation order and the BF16 output rounding.
 """
 
+import contextlib
+
 import pytest
 import torch
 
@@ -69,15 +71,19 @@ def test_activation_kernel_bitwise(shape, dtype, pow2, fmt):
 @pytest.mark.parametrize("shape", [(1536, 8960), (384, 200), (3584, 3584)])
 @pytest.mark.parametrize("pow2", [True, False])
 def test_weight_kernel_bitwise(shape, pow2):
+    """W and W.T (one launch each, as the forward and the backward make them) against the reference."""
     from fp8train.fp8 import kernels as _triton_quant
 
     w = _activation(shape, torch.float32, seed=1)
-    q, qt, s = _triton_quant.quantize_blocks_and_transpose(w.cuda(), Fp8Format.E4M3, pow2, 512)
+    q, s = _triton_quant.quantize_blocks(w.cuda(), Fp8Format.E4M3, pow2, 512)
+    qt, st = _triton_quant.quantize_blocks(w.cuda(), Fp8Format.E4M3, pow2, 512, transpose=True)
     ref = quantize(w, (128, 128), "e4m3", pow2)
     N, K = shape
     assert torch.equal(_bits(q[:, :K].cpu()), _bits(ref.data))
     assert torch.equal(_bits(qt[:, :N].cpu()), _bits(ref.data.t().contiguous()))
     assert torch.equal(_bits(s[:, : ref.scale.shape[1]].cpu()), _bits(ref.scale))
+    assert torch.equal(_bits(st[:, : ref.scale.shape[0]].cpu()), _bits(ref.scale.t().contiguous()))
+    assert not q[:, K:].float().any() and not qt[:, N:].float().any() and bool((st[:, ref.scale.shape[0]:] == 1).all())
 
 
 def test_kernel_nonfinite_matches_reference():
@@ -143,6 +149,37 @@ def test_emulate_flag_and_no_grad_path_on_cuda():
         assert _sqnr(a, b) > 38
 
 
+def test_weight_cache_and_x_t_from_fp8_on_cuda():
+    """The paths that do not quantize the weight in the forward's op: the step's cached W (the backward
+    transposes it into W.T) gives the uncached numbers bit for bit; `wgrad_input_from_fp8` gives the reference
+    function (dequantize, transpose, re-quantize) up to cuBLAS summation order."""
+    from dataclasses import replace
+
+    from fp8train import cache_fp8_weights
+    from fp8train.fp8.ops import reference_fp8_linear
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(1536, 8960, bias=False).cuda()
+    x = torch.randn(1000, 1536, device="cuda")
+    g = torch.randn(1000, 8960, device="cuda")
+
+    def run(recipe, cached):
+        m = FP8Linear.from_linear(torch.nn.Linear(1536, 8960, bias=False).cuda(), recipe)
+        m.load_state_dict(lin.state_dict())
+        xr = x.clone().requires_grad_()
+        with cache_fp8_weights(m) if cached else contextlib.nullcontext():
+            y = m(xr)
+            y.backward(g)
+        return y.detach(), xr.grad, m.weight.grad
+
+    plain, cached = run("hybrid", False), run("hybrid", True)
+    assert all(torch.equal(a, b) for a, b in zip(plain, cached))
+    r = replace(make_recipe("hybrid"), wgrad_input_from_fp8=True)
+    got, ref = run(r, False), reference_fp8_linear(x.cpu(), lin.weight.detach().cpu(), g.cpu(), r)
+    for a, b in zip(got, ref):
+        assert _sqnr(a.float().cpu(), b) > 60
+
+
 def test_compiled_model_matches_eager_on_cuda():
     """The model compiled as the trainer compiles it (compile_options(): q/k/v and gate/up share one input
     quantization) gives eager's loss and gradients: a quantization shared between Linears that do not read
@@ -176,29 +213,21 @@ def test_custom_ops_fake_implementations_match_on_cuda(recipe):
     dtypes must be what the fake implementations (the reference path) tell the compiler."""
     from fp8train.fp8 import ops as _fp8_ops
 
-    r = make_recipe(recipe)
-    k = _fp8_ops.operand_key
-    pads = [_fp8_ops._pad_for(True, gm) for gm in (r.output, r.grad_input, r.grad_weight)]
+    plan = _fp8_ops.LinearPlan.of(make_recipe(recipe), cublas=True)
     x = _activation((1000, 1536), torch.bfloat16).cuda()
     w = _activation((896, 1536), torch.float32, seed=2).cuda()
-    for make_cols in (True, False):
-        torch.library.opcheck(_fp8_ops._activation_op, (x, k(r.output.a), k(r.grad_weight.b), True, pads[0], pads[2],
-                                                        make_cols, True))
-    torch.library.opcheck(_fp8_ops._weight_op, (w, k(r.output.b), k(r.grad_input.b), True, pads[0], pads[1], True))
-    xr, xr_s, _, _ = _fp8_ops._activation_op(x, k(r.output.a), k(r.grad_weight.b), True, pads[0], pads[2], False, True)
-    wq, wq_s, _, _ = _fp8_ops._weight_op(w, k(r.output.b), k(r.grad_input.b), True, pads[0], pads[1], True)
-    fp8_in = ("test_faketensor", "test_aot_dispatch_dynamic")
-    torch.library.opcheck(_fp8_ops._mm_op, (xr, xr_s, wq, wq_s, k(r.output.a), k(r.output.b), torch.bfloat16, True),
-                          test_utils=fp8_in)
-    fwd = (xr, xr_s, w, k(r.output.a), k(r.output.b), k(r.grad_input.b), True, pads[0], pads[1], torch.bfloat16, True)
-    torch.library.opcheck(_fp8_ops._forward_op, fwd, test_utils=fp8_in)
-    _, wt, wt_s = _fp8_ops._forward_op(*fwd)
-    _, _, xc, xc_s = _fp8_ops._activation_op(x, k(r.output.a), k(r.grad_weight.b), True, pads[0], pads[2], True, True)
     dy = _activation((1000, 896), torch.bfloat16, seed=3).cuda()
-    for want_dx, want_dw in ((True, True), (True, False), (False, True)):
-        torch.library.opcheck(_fp8_ops._backward_op, (dy, wt, wt_s, xc, xc_s, k(r.grad_input.a), k(r.grad_weight.a),
-                                                      k(r.grad_input.b), k(r.grad_weight.b), True, pads[1], pads[2],
-                                                      want_dx, want_dw, torch.bfloat16, True), test_utils=fp8_in)
+    for make_cols in (True, False):
+        torch.library.opcheck(_fp8_ops._quantize_input_op, (x, plan.key, make_cols))
+    xr, xr_s, xc, xc_s = _fp8_ops._quantize_input_op(x, plan.key, True)
+    wq, wq_s = _fp8_ops.quantize_weight(w, plan.w, plan.pow2, False, True)
+    fp8_in = ("test_faketensor", "test_aot_dispatch_dynamic")
+    for w_op in ((None, None), (wq, wq_s)):
+        torch.library.opcheck(_fp8_ops._forward_op, (xr, xr_s, w, *w_op, plan.key, torch.bfloat16), test_utils=fp8_in)
+        for want_dx, want_dw in ((True, True), (True, False), (False, True)):
+            saved = (xc, xc_s) if want_dw else (None, None)
+            torch.library.opcheck(_fp8_ops._backward_op, (dy, w, *w_op, *saved, plan.key, want_dx, want_dw,
+                                                          torch.bfloat16), test_utils=fp8_in)
 
 
 @pytest.mark.parametrize("recipe", ["hybrid", "tensorwise", "rowwise"])
@@ -263,8 +292,9 @@ def test_compiled_model_launches_the_fp8_kernels_from_inductor_code():
     code = "\n".join(codes)
     counts = {name: len(re.findall(rf"\b{name}\w*\.run\(", code)) for name in ("_act_kernel", "_weight_kernel")}
     assert "fp8train." not in code, "an opaque fp8train op is left in the compiled code"
-    # forward: inputs of q/k/v (one), o, gate/up (one), down; backward: the 7 grad_outputs
-    assert counts == {"_act_kernel": 4 + 7, "_weight_kernel": 7}, counts
+    # forward: inputs of q/k/v (one), o, gate/up (one), down; backward: the 7 grad_outputs. Weights: W in
+    # the forward, W.T in the backward (no FP8 copy of the weight is kept between them)
+    assert counts == {"_act_kernel": 4 + 7, "_weight_kernel": 7 + 7}, counts
     assert len(re.findall(r"_scaled_mm", code)) >= 21, "7 Linears x 3 GEMMs on cuBLAS"
 
 

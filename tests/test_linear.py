@@ -10,7 +10,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from fp8train import FP8Linear, dequantize, quantize
-from fp8train.fp8.ops import _quantize_activation
+from fp8train.fp8 import ops
+from fp8train.fp8.ops import LinearPlan, reference_fp8_linear
 from fp8train.fp8.recipe import make_recipe
 
 THRESHOLD_DB = {"hybrid": 25.0, "rowwise": 25.0, "tensorwise": 19.0}
@@ -79,22 +80,56 @@ def test_emulated_path_equals_fake_quant_reference():
     assert torch.equal(dw, fq(g2.t(), (1, 128)) @ fq(x2.t(), (1, 128)).t())
 
 
-def test_wgrad_operands_requantized_from_high_precision():
-    x = torch.randn(300, 256) * torch.logspace(-2, 2, 256)
-    r = make_recipe("hybrid")
-    rows, cols = _quantize_activation(x, r.output.a, r.grad_weight.b, True, False, (1, 1))
-    assert torch.equal(cols.data.view(torch.uint8), quantize(x.t(), (1, 128)).data.view(torch.uint8))
-    double = quantize(dequantize(quantize(x, (1, 128))).t(), (1, 128))
-    assert not torch.equal(cols.data.view(torch.uint8), double.data.view(torch.uint8))
+@pytest.mark.parametrize("recipe", ["hybrid", "tensorwise", "rowwise", "hybrid-x_t-from-fp8", "hybrid-exact-scales"])
+def test_fp8linear_computes_the_reference_function(recipe):
+    """`reference_fp8_linear` states what the three GEMMs compute; the emulated FP8Linear equals it bit for bit."""
+    from dataclasses import replace
+
+    r = make_recipe(recipe.split("-")[0])
+    r = replace(r, wgrad_input_from_fp8=True) if "from-fp8" in recipe else r
+    r = replace(r, pow2_scale=False) if "exact" in recipe else r
+    lin, m, x, g = _setup(r, bias=False, shape=(3, 70))
+    y, dx, dw, _ = _run(m, x, g)
+    ry, rdx, rdw = reference_fp8_linear(x.reshape(-1, 384), lin.weight.detach(), g.reshape(-1, 256), r)
+    assert torch.equal(y.reshape(-1, 256), ry) and torch.equal(dx.reshape(-1, 384), rdx) and torch.equal(dw, rdw)
 
 
-def test_saves_fp8_not_bf16_for_backward():
-    _, m, x, g = _setup("hybrid", K=512, N=512, shape=(4, 128))
+def test_wgrad_input_from_fp8_is_double_quantized_and_saves_one_copy():
+    """With `wgrad_input_from_fp8` the forward makes only the FP8 rows of the input and saves them; the
+    grad_weight operand is re-quantized from them (slightly less accurate than from BF16, still FP8-grade)."""
+    from dataclasses import replace
+
+    r = replace(make_recipe("hybrid"), wgrad_input_from_fp8=True)
+    lin, m, x, g = _setup(r, K=512, N=512, shape=(4, 128))
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         y = m(x.bfloat16().requires_grad_())
-    big = [t for t in saved if t.numel() >= x.numel()]
-    assert big and all(t.element_size() == 1 for t in big), [(t.dtype, t.shape) for t in big]
+    fp8 = [t for t in saved if t.element_size() == 1]
+    assert len(fp8) == 1 and fp8[0].shape == (512, 512)  # the rows [M, K], not input.T [K, M]
+    y.backward(g.bfloat16())
+    assert sqnr(m.weight.grad, _fp64(lin, x, g)[2]) > THRESHOLD_DB["hybrid"]
+
+
+def test_wgrad_operands_requantized_from_high_precision():
+    x = torch.randn(300, 256) * torch.logspace(-2, 2, 256)
+    plan = LinearPlan.of(make_recipe("hybrid"), cublas=False)
+    rows, rows_s, cols, cols_s = ops.quantize_input(x, plan, make_cols=True)
+    assert torch.equal(cols.view(torch.uint8), quantize(x.t(), (1, 128)).data.view(torch.uint8))
+    double = quantize(dequantize(quantize(x, (1, 128))).t(), (1, 128))
+    assert not torch.equal(cols.view(torch.uint8), double.data.view(torch.uint8))
+
+
+def test_saves_fp8_not_bf16_for_backward():
+    """What the forward keeps for backward: the FP8 input.T (1 byte per element, not the BF16 input) and the
+    weight Parameter itself (W.T is quantized again in the backward: no FP8 copy of the weight stays alive)."""
+    _, m, x, g = _setup("hybrid", K=512, N=384, shape=(4, 160))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = m(x.bfloat16().requires_grad_())
+    big = [t for t in saved if t.numel() >= 384 * 512]
+    assert any(t is m.weight for t in big), [(t.dtype, t.shape) for t in big]
+    copies = [t for t in big if t is not m.weight]
+    assert [(t.dtype, tuple(t.shape)) for t in copies] == [(torch.float8_e4m3fn, (512, 640))]  # input.T [K, M]
     y.backward(g.bfloat16())
 
 
@@ -125,7 +160,7 @@ def test_weight_cache_only_inside_a_step_and_never_stale():
         assert cached is not None
         m(x).sum().backward()
         assert m._weight_cache is cached  # micro-batches of one step reuse one quantization
-    assert m._weight_cache is None and not m._cache_weight
+    assert m._weight_cache is None
     opt = torch.optim.AdamW(m.parameters(), lr=1.0, fused=True)
     opt.step()
     assert not torch.equal(m(x), y2)
@@ -159,7 +194,7 @@ def test_no_grad_and_frozen_weight_skip_the_transposed_copy(monkeypatch):
     ref = _run(m, x, g)
     made = []
     real = _fp8_ops._quantize_activation
-    monkeypatch.setattr(_fp8_ops, "_quantize_activation", lambda *a: made.append(a[6]) or real(*a))
+    monkeypatch.setattr(_fp8_ops, "_quantize_activation", lambda *a: made.append(a[4]) or real(*a))
     with torch.no_grad():
         y = m(x)
     assert torch.equal(y, ref[0]) and made == [False]

@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
+__all__ = ["ShareQuantization"]
+
 _MODULE = "fp8train.fp8.kernels"
 
 
@@ -86,7 +88,9 @@ def _key(node: torch.fx.Node, rep: dict):
             repr(kw["tma_descriptor_metadata"]), tuple(sorted(kw["tensors_to_clone"])), tuple(args))
 
 
-class _ShareQuantization(CustomGraphPass):
+class ShareQuantization(CustomGraphPass):
+    """The pass: merge fp8train kernel nodes that compute the same thing into the first one."""
+
     def __call__(self, graph: torch.fx.Graph) -> None:
         from torch._higher_order_ops.triton_kernel_wrap import triton_kernel_wrapper_functional
 

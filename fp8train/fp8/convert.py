@@ -87,9 +87,9 @@ def compile_options() -> dict:
     They add a joint-graph pass that quantizes an input once for all the FP8 Linears that read it (q/k/v,
     gate/up), as eager mode does; without it a compiled layer on CUDA quantizes (and saves for the
     backward) those inputs once per Linear. Harmless for a model without FP8 Linears."""
-    from .compile import _ShareQuantization
+    from .compile import ShareQuantization
 
-    return {"joint_custom_pre_pass": _ShareQuantization()}
+    return {"joint_custom_pre_pass": ShareQuantization()}
 
 
 @contextlib.contextmanager
@@ -101,10 +101,9 @@ def cache_fp8_weights(model: nn.Module) -> Iterator[None]:
     without bumping their version counter, so a change would go unnoticed)."""
     layers = [m for m in model.modules() if isinstance(m, FP8Linear)]
     for m in layers:
-        m._cache_weight = True
+        m.cache_weight(True)
     try:
         yield
     finally:
         for m in layers:
-            m._cache_weight = False
-            m._weight_cache = None
+            m.cache_weight(False)

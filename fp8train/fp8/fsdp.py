@@ -8,8 +8,8 @@ Here the local tensor of a converted Linear's FP32 master weight is an `_Fp8Shar
     all-gather       N*K bytes of data + 4 bytes per 128x128 block, instead of 2*N*K bytes of BF16
     post-all-gather  an `_Fp8GatheredWeight` [N, K] holding the gathered data and scales
 
-FP8Linear asks the gathered weight for its GEMM operands (`fp8_operands`) instead of quantizing, so
-the forward uses exactly the gathered blocks. Because FSDP shards dim 0 and every shard starts on a
+FP8Linear asks the gathered weight for its GEMM operand (`fp8_operand`) instead of quantizing, so
+the forward uses exactly the gathered blocks (and the backward their transpose). Because FSDP shards dim 0 and every shard starts on a
 128-row boundary (N divisible by 128 x world size), each rank's blocks are blocks of the full weight:
 the gathered FP8 weight equals, bit for bit, the single-process quantization of the FP32 master. The
 gathered weight reports the BF16 param dtype, so its gradient is BF16 like every other parameter's and
@@ -22,16 +22,15 @@ checkpoints); torchao's float8 FSDP weight wrapper (torchao/float8/fsdp_utils.py
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch import nn
 
-from .ops import _pad_for
-from .linear import FP8Linear
-from .quant import Fp8Tensor, _quantize_2d, dequantize
-from .recipe import Fp8Format, Fp8Recipe
+from .ops import OperandSpec, pad_operand
+from .quant import Fp8Tensor, dequantize, quantize_2d
+from .recipe import BLOCK, Fp8Format, Fp8Recipe
 
-_BLOCK = (128, 128)
+__all__ = ["fp8_gather_blocker", "fp8_gathered_parameter", "unwrap"]
+
 _aten = torch.ops.aten
 
 # Ops whose results stay `_Fp8ShardedWeight`: the ones FSDP uses to pad, view and copy the local shard.
@@ -53,12 +52,14 @@ _PRESERVE = {
 
 def fp8_gather_blocker(module: nn.Module, world_size: int) -> str | None:
     """Why `module`'s weight cannot be all-gathered in FP8 at `world_size`, or None when it can."""
+    from .linear import FP8Linear
+
     if not isinstance(module, FP8Linear) or not module.recipe.enabled:
         return "not an FP8 Linear"
     if world_size == 1:  # FSDP2 then copies the shard instead of gathering it, and takes only one input
         return "world size 1: nothing to all-gather"
     r = module.recipe
-    if r.output.b.block != _BLOCK or r.output.b.fmt is None or r.grad_input.b != r.output.b:
+    if r.output.b.block != BLOCK or r.output.b.fmt is None or r.grad_input.b != r.output.b:
         return f"recipe {r.name.value!r} has no 128x128 weight blocks"
     n = module.out_features
     if n % (128 * world_size):
@@ -66,13 +67,10 @@ def fp8_gather_blocker(module: nn.Module, world_size: int) -> str | None:
     return None
 
 
-def enable_fp8_all_gather(module: FP8Linear) -> None:
-    """Make `module.weight` an `_Fp8ShardedWeight` (before `fully_shard`; replaces the Parameter)."""
-    w = module.weight
-    fmt = module.recipe.output.b.fmt
-    shard = _Fp8ShardedWeight(w.data, fmt, module.recipe.pow2_scale)
-    module.weight = nn.Parameter(shard, requires_grad=w.requires_grad)
-    module._fp8_all_gather = True  # compiled, this layer runs outside the graph (the gathered weight is a subclass)
+def fp8_gathered_parameter(weight: nn.Parameter, recipe: Fp8Recipe) -> nn.Parameter:
+    """`weight` as a Parameter whose data FSDP2 all-gathers in FP8 blocks (before `fully_shard`)."""
+    shard = _Fp8ShardedWeight(weight.data, recipe.output.b.fmt, recipe.pow2_scale)
+    return nn.Parameter(shard, requires_grad=weight.requires_grad)
 
 
 def unwrap(value):
@@ -140,7 +138,7 @@ class _Fp8ShardedWeight(torch.Tensor):
             raise RuntimeError(f"FP8 all-gather needs 128-row shards, got a shard of shape {tuple(self._tensor.shape)}")
         # No cache across gathers: updates reach the shard below this wrapper (optimizer ops on the DTensor's
         # local tensor, DCP loads into aliases), where no version counter moves.
-        return _quantize_2d(self._tensor.detach(), _BLOCK, self._fmt, self._pow2), None
+        return quantize_2d(self._tensor.detach(), BLOCK, self._fmt, self._pow2), None
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         data, scale = all_gather_outputs
@@ -190,28 +188,11 @@ class _Fp8GatheredWeight(torch.Tensor):
         return f"_Fp8GatheredWeight(shape={tuple(self.shape)}, fmt={self._fmt.value}, dtype={self.dtype})"
 
     def dequantize_to_param_dtype(self) -> torch.Tensor:
-        return dequantize(Fp8Tensor(self._data, self._scale, _BLOCK, self._fmt)).to(self.dtype)
+        return dequantize(Fp8Tensor(self._data, self._scale, BLOCK, self._fmt)).to(self.dtype)
 
-    def fp8_operands(self, recipe: Fp8Recipe, cublas: bool) -> tuple[Fp8Tensor, Fp8Tensor]:
-        """The weight operands of FP8Linear's `output` (W) and `grad_input` (W.T) GEMMs, from the gathered
-        blocks as they are (a 128x128 block of W.T is the transpose of a block of W)."""
-        cfg = recipe.output.b
-        if (cfg.block != _BLOCK or recipe.grad_input.b != cfg or cfg.fmt != self._fmt
-                or recipe.pow2_scale != self._pow2):
-            raise RuntimeError(f"FP8 all-gathered weight ({self._fmt.value}, 128x128, pow2_scale={self._pow2}) "
-                               f"does not match the layer's recipe {recipe.name.value!r} "
-                               f"(weight {cfg.fmt.value} {cfg.block}, pow2_scale={recipe.pow2_scale})")
-        w = _pad_contraction(self._data, self._scale, _pad_for(cublas, recipe.output))
-        w_t = _pad_contraction(self._data.t().contiguous(), self._scale.t().contiguous(),
-                               _pad_for(cublas, recipe.grad_input))
-        return Fp8Tensor(*w, _BLOCK, self._fmt), Fp8Tensor(*w_t, _BLOCK, self._fmt)
-
-
-def _pad_contraction(data: torch.Tensor, scale: torch.Tensor, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Zero-pad the last (contraction) dim to a multiple of `pad`, scale 1 for the added blocks, as
-    FP8Linear's own weight quantization does for cuBLAS."""
-    extra = -data.shape[1] % pad
-    if not extra:
-        return data, scale
-    data = F.pad(data.view(torch.uint8), (0, extra)).view(data.dtype)  # pad() has no fp8 kernel
-    return data, F.pad(scale, (0, data.shape[1] // 128 - scale.shape[1]), value=1.0)
+    def fp8_operand(self, spec: OperandSpec, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """W's operand for the output GEMM, from the gathered blocks as they are, padded for it."""
+        if spec.block != BLOCK or spec.fmt != self._fmt or pow2 != self._pow2:
+            raise RuntimeError(f"FP8 all-gathered weight ({self._fmt.value}, 128x128, pow2_scale={self._pow2}) does "
+                               f"not match the layer's weight operand ({spec.key}, pow2_scale={pow2})")
+        return pad_operand(self._data, self._scale, spec)

@@ -1,12 +1,12 @@
-"""Fused Triton quantization kernels for the CUDA path (bit-identical to `fp8train.quant`'s reference).
+"""Fused Triton quantization kernels for the CUDA path (bit-identical to `fp8train.fp8.quant`'s reference).
 
 `quantize_tiles_and_transpose` reads each 128x128 tile of an activation (input or grad_output) once and
 writes both FP8 copies the hybrid recipe needs:
     rows  [M, Kp]  1x128 tiles along the features  (operand a of output / grad_input)
     cols  [K, Mp]  1x128 tiles along the tokens     (operand of grad_weight), quantized from the same
                    high-precision tile, never from the row copy (no double quantization).
-`quantize_blocks_and_transpose` does the same for a weight with 128x128 blocks, where the transposed
-copy (for grad_input) shares the block scales exactly.
+`quantize_blocks` quantizes a weight in 128x128 blocks, as W (operand b of output) or as W.T (operand b
+of grad_input: the same blocks transposed, with the same scales).
 
 Scales are written straight into the layouts cuBLAS wants: 1x128 scales "outer-dim major" ([blocks, rows]
 in memory, handed over as the (rows, blocks) transpose view); 128x128 scales row-major [Nb, Kb].
@@ -30,11 +30,12 @@ import torch
 import triton
 import triton.language as tl
 
+from .quant import FP32_TINY, round_up
 from .recipe import Fp8Format
 
-_TILE = 128
+_SIDE = 128  # elements along each side of a scaling tile or block
 _NUM_WARPS = 8
-_FP32_TINY = tl.constexpr(1.1754943508222875e-38)
+_FP32_TINY = tl.constexpr(FP32_TINY)
 _INF_BITS = tl.constexpr(0x7F800000)
 
 
@@ -134,10 +135,10 @@ def _act_kernel(
 @triton.jit
 def _weight_kernel(
     w_ptr, N, K, stride_wn,
-    q_ptr, Kp,                 # [N, Kp]
-    qt_ptr, Np,                # [K, Np]
-    s_ptr, KB,                 # [ceil(N/128), Kp/128]
-    FMT_MAX: tl.constexpr, POW2: tl.constexpr, BF16: tl.constexpr, BLOCK: tl.constexpr,
+    q_ptr, ld_q,               # W [N, Kp] (ld_q = Kp), or W.T [K, Np] (ld_q = Np) with TRANSPOSE
+    s_ptr, ld_s,               # scales, row-major: [ceil(N/128), Kp/128], or [ceil(K/128), Np/128]
+    FMT_MAX: tl.constexpr, POW2: tl.constexpr, BF16: tl.constexpr, TRANSPOSE: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -152,16 +153,16 @@ def _weight_kernel(
     s = _scale_from_amax_bits(tl.max(_amax_bits(_abs_bits(w, BF16), 1, BF16), axis=0), FMT_MAX, POW2)
     # IEEE division also for power-of-two scales (exact, the same numbers as the multiply): with the multiply
     # the transposed store below came out wrong on the H200 (Triton 3.6; seen 2026-12-02, cause not found).
-    # One weight quantization per optimizer step: this kernel is not on the hot path.
     q = _quant(w, s, s, FMT_MAX, False).to(q_ptr.dtype.element_ty)
-    tl.store(q_ptr + offs_n[:, None] * Kp + offs_k[None, :], q, mask=in_n[:, None] & (offs_k < Kp)[None, :])
-    tl.store(qt_ptr + offs_k[:, None] * Np + offs_n[None, :], tl.trans(q), mask=in_k[:, None] & (offs_n < Np)[None, :])
-    if pid_n * BLOCK < N:
-        tl.store(s_ptr + pid_n * KB + pid_k, s)
-
-
-def _round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
+    if TRANSPOSE:  # block (n, k) of W is block (k, n) of W.T: same data transposed, same scale
+        tl.store(q_ptr + offs_k[:, None] * ld_q + offs_n[None, :], tl.trans(q),
+                 mask=in_k[:, None] & (offs_n < ld_q)[None, :])
+        if pid_k * BLOCK < K:
+            tl.store(s_ptr + pid_k * ld_s + pid_n, s)
+    else:
+        tl.store(q_ptr + offs_n[:, None] * ld_q + offs_k[None, :], q, mask=in_n[:, None] & (offs_k < ld_q)[None, :])
+        if pid_n * BLOCK < N:
+            tl.store(s_ptr + pid_n * ld_s + pid_k, s)
 
 
 def _launcher(kernel, traced: bool):
@@ -178,40 +179,45 @@ def quantize_tiles_and_transpose(x2d, row_fmt, col_fmt, pow2: bool, pad: int, co
     A format is anything with `.dtype` (of the copy) and `.max` (an FP32 dtype gives the values before
     the FP8 conversion: the CPU interpreter checks use it)."""
     M, K = x2d.shape
-    Kp, Mp = _round_up(K, pad), _round_up(M, pad)
+    Kp, Mp = round_up(K, pad), round_up(M, pad)
     dev = x2d.device
     qr = torch.empty(M, Kp, dtype=row_fmt.dtype, device=dev)
-    sr = torch.empty(Kp // _TILE, M, dtype=torch.float32, device=dev)
+    sr = torch.empty(Kp // _SIDE, M, dtype=torch.float32, device=dev)
     if cols:
         qc = torch.empty(K, Mp, dtype=col_fmt.dtype, device=dev)
-        sc = torch.empty(Mp // _TILE, K, dtype=torch.float32, device=dev)
-        m_tiles = -(-max(Mp, M) // _TILE)
+        sc = torch.empty(Mp // _SIDE, K, dtype=torch.float32, device=dev)
+        m_tiles = -(-max(Mp, M) // _SIDE)
     else:  # dummies: the kernel compiles the cols store out
-        qc, sc, m_tiles = qr, sr, -(-M // _TILE)
-    grid = (m_tiles, -(-max(Kp, K) // _TILE))
+        qc, sc, m_tiles = qr, sr, -(-M // _SIDE)
+    grid = (m_tiles, -(-max(Kp, K) // _SIDE))
     _launcher(_act_kernel, _traced)[grid](
         x2d, M, K, x2d.stride(0), qr, sr, Kp, qc, sc, Mp, ROW_MAX=row_fmt.max, COL_MAX=col_fmt.max,
-        POW2=pow2, COLS=cols, BF16=x2d.dtype == torch.bfloat16, BLOCK=_TILE, num_warps=num_warps,
+        POW2=pow2, COLS=cols, BF16=x2d.dtype == torch.bfloat16, BLOCK=_SIDE, num_warps=num_warps,
     )
     if not cols:
         return qr, sr.t(), None, None
     return qr, sr.t(), qc, sc.t()
 
 
-def quantize_blocks_and_transpose(w, fmt, pow2: bool, pad: int, num_warps: int = _NUM_WARPS, _traced: bool = False):
-    """w [N, K] -> (data [N, Kp], data.T [K, Np], scale [ceil(N/128), Kp/128] row-major)."""
+def quantize_blocks(w, fmt, pow2: bool, pad: int, transpose: bool = False, num_warps: int = _NUM_WARPS,
+                    _traced: bool = False):
+    """w [N, K] -> W (data [N, Kp], scale [ceil(N/128), Kp/128]) or, with `transpose`, W.T (data [K, Np],
+    scale [ceil(K/128), Np/128]); Kp, Np = round_up(., pad); scales row-major. The transposed copy is the
+    quantization of w.T itself: a 128x128 block's scale does not depend on which way it is read."""
     N, K = w.shape
-    Kp, Np = _round_up(K, pad), _round_up(N, pad)
-    dev = w.device
-    q = torch.empty(N, Kp, dtype=fmt.dtype, device=dev)
-    qt = torch.empty(K, Np, dtype=fmt.dtype, device=dev)
-    NB, KB = -(-max(N, Np) // _TILE), Kp // _TILE
-    s = torch.empty(-(-N // _TILE), KB, dtype=torch.float32, device=dev)
-    _launcher(_weight_kernel, _traced)[(NB, max(KB, -(-K // _TILE)))](
-        w, N, K, w.stride(0), q, Kp, qt, Np, s, KB,
-        FMT_MAX=fmt.max, POW2=pow2, BF16=w.dtype == torch.bfloat16, BLOCK=_TILE, num_warps=num_warps,
+    rows, cols = (K, N) if transpose else (N, K)  # of the operand
+    cols_p = round_up(cols, pad)
+    q = torch.empty(rows, cols_p, dtype=fmt.dtype, device=w.device)
+    s = torch.empty(-(-rows // _SIDE), -(-cols_p // _SIDE), dtype=torch.float32, device=w.device)
+    row_blocks, col_blocks = s.shape
+    grid = (col_blocks, row_blocks) if transpose else (row_blocks, col_blocks)  # over (blocks of N, blocks of K)
+    ld_q, ld_s = cols_p, col_blocks
+    _launcher(_weight_kernel, _traced)[grid](
+        w, N, K, w.stride(0), q, ld_q, s, ld_s,
+        FMT_MAX=fmt.max, POW2=pow2, BF16=w.dtype == torch.bfloat16, TRANSPOSE=transpose, BLOCK=_SIDE,
+        num_warps=num_warps,
     )
-    return q, qt, s
+    return q, s
 
 
 # ------------------------------------------------------------------------ the same, as torch ops
@@ -232,6 +238,6 @@ def quantize_tiles_op(x2d: torch.Tensor, row_dtype: torch.dtype, col_dtype: torc
 
 
 @torch.library.triton_op("fp8train::quantize_blocks", mutates_args=())
-def quantize_blocks_op(w: torch.Tensor, dtype: torch.dtype, pow2: bool,
-                       pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return quantize_blocks_and_transpose(w, _FORMATS[dtype], pow2, pad, _traced=True)
+def quantize_blocks_op(w: torch.Tensor, dtype: torch.dtype, pow2: bool, pad: int,
+                       transpose: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return quantize_blocks(w, _FORMATS[dtype], pow2, pad, transpose, _traced=True)

@@ -1,4 +1,4 @@
-"""Block-scaled FP8 quantization: the plain PyTorch reference and the fused CUDA entry points.
+"""Block-scaled FP8 quantization: the plain PyTorch reference every other path is checked against.
 
 Convention, used everywhere in fp8train: `scale` is the dequantize multiplier,
 
@@ -13,6 +13,10 @@ Blocks are (rows, cols) over the input viewed as 2-D rows: an N-D tensor is flat
 [prod(shape[:-1]), shape[-1]], a 1-D tensor is one row. A block dimension of -1 spans the whole
 dimension, `block=None` means one scale for the tensor. The last block in each dimension may be
 ragged (the shape need not be a multiple of the block).
+
+Public: `quantize`, `dequantize`, `Fp8Tensor`. For the rest of fp8train.fp8 (kernels.py is checked against
+these bit for bit): `compute_scale`, `quantize_2d` (a 2-D tensor and a resolved block, no checks),
+`resolve_block`, `expand_scale`, `round_up`, `FP32_TINY`.
 """
 
 from __future__ import annotations
@@ -25,7 +29,11 @@ from .recipe import Block, Fp8Format
 
 __all__ = ["Fp8Tensor", "quantize", "dequantize"]
 
-_FP32_TINY = torch.finfo(torch.float32).tiny
+FP32_TINY = torch.finfo(torch.float32).tiny
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
 _ALLOWED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
@@ -48,7 +56,7 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(1, -1) if x.dim() == 1 else x.reshape(-1, x.shape[-1])
 
 
-def _resolve_block(block: Block, shape: tuple[int, int]) -> tuple[int, int] | None:
+def resolve_block(block: Block, shape: tuple[int, int]) -> tuple[int, int] | None:
     if block is None:
         return None
     if len(block) != 2:
@@ -65,7 +73,7 @@ def compute_scale(amax: torch.Tensor, fmt: Fp8Format, pow2_scale: bool) -> torch
     # divide by a tensor, not a Python scalar: CUDA turns scalar division into a reciprocal multiply,
     # which can differ from the CPU's IEEE division in the last bit
     s = amax.float() / torch.full_like(amax, fmt.max, dtype=torch.float32)
-    s = torch.where(amax == 0, torch.ones_like(s), s).clamp_min(_FP32_TINY)  # NaN passes through
+    s = torch.where(amax == 0, torch.ones_like(s), s).clamp_min(FP32_TINY)  # NaN passes through
     if pow2_scale:
         bits = s.view(torch.int32)
         exp = bits & 0x7F800000
@@ -94,11 +102,11 @@ def quantize(
     _check_input(x, "quantize")
     fmt = Fp8Format.parse(fmt)
     x2 = _rows(x)
-    data, scale = _quantize_2d(x2, _resolve_block(block, tuple(x2.shape)), fmt, pow2_scale)
+    data, scale = quantize_2d(x2, resolve_block(block, tuple(x2.shape)), fmt, pow2_scale)
     return Fp8Tensor(data.reshape(x.shape), scale, block, fmt)
 
 
-def _quantize_2d(x: torch.Tensor, block, fmt: Fp8Format, pow2_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_2d(x: torch.Tensor, block, fmt: Fp8Format, pow2_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
     xf = x.float()
     if block is None:
         scale = compute_scale(xf.abs().amax(), fmt, pow2_scale)
@@ -128,5 +136,5 @@ def expand_scale(scale: torch.Tensor, block, shape: tuple[int, int]) -> torch.Te
 def dequantize(q: Fp8Tensor) -> torch.Tensor:
     """FP32 values of `q`: data * scale, block by block."""
     d2 = _rows(q.data).float()
-    block = _resolve_block(q.block, tuple(d2.shape))
+    block = resolve_block(q.block, tuple(d2.shape))
     return (d2 * expand_scale(q.scale, block, tuple(d2.shape))).reshape(q.data.shape)

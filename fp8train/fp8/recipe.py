@@ -16,6 +16,8 @@ One frozen `Fp8Recipe` is made from a name; nothing else in the package decides 
 (ablations) are `dataclasses.replace`s of a named one: an operand may get another format or block, or
 `fmt=None` to stay in high precision (BF16 under autocast), and `emulate=True` runs every GEMM as
 dequantize + FP32 matmul even where cuBLAS could, so that variants differ only in their numerics.
+
+`TILE`, `BLOCK` and `ROW` name the three blocks the named recipes use; nothing else in fp8train spells them.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-__all__ = ["Fp8Format", "RecipeName", "OperandConfig", "GemmConfig", "Fp8Recipe", "make_recipe"]
+__all__ = ["Fp8Format", "RecipeName", "OperandConfig", "GemmConfig", "Fp8Recipe", "make_recipe", "TILE", "BLOCK", "ROW"]
 
 Block = tuple[int, int] | None
 
@@ -44,10 +46,6 @@ class Fp8Format(enum.Enum):
     def max(self) -> float:
         """Largest finite magnitude: 448 for E4M3, 57344 for E5M2."""
         return float(torch.finfo(self.dtype).max)
-
-    @property
-    def mantissa_bits(self) -> int:
-        return 3 if self is Fp8Format.E4M3 else 2
 
     @classmethod
     def parse(cls, value: "Fp8Format | str") -> "Fp8Format":
@@ -95,14 +93,14 @@ class Fp8Recipe:
     grad_weight: GemmConfig | None
     pow2_scale: bool = True
     emulate: bool = False
+    wgrad_input_from_fp8: bool = False
+    """grad_weight's input operand (input.T, token-tiled) is quantized from the FP8 row copy of the input that
+    the forward made (dequantize, transpose, re-quantize, as DeepSeek-V3 does), so one FP8 copy is made in the
+    forward and saved for backward; False (the paper's recipe) quantizes it from the high-precision input."""
 
     @property
     def enabled(self) -> bool:
         return self.name is not RecipeName.BF16
-
-    @property
-    def weight_block(self) -> Block:
-        return self.output.b.block if self.output else None
 
     def with_pow2_scale(self, pow2_scale: bool) -> "Fp8Recipe":
         return replace(self, pow2_scale=pow2_scale)
@@ -112,14 +110,16 @@ def _gemm(fa: Fp8Format, ba: Block, fb: Fp8Format, bb: Block) -> GemmConfig:
     return GemmConfig(OperandConfig(fa, ba), OperandConfig(fb, bb))
 
 
+TILE: Block = (1, 128)     # one scale per row and 128 contraction elements (per token, for activations)
+BLOCK: Block = (128, 128)  # one scale per 128x128 block (weights)
+ROW: Block = (1, -1)       # one scale per row
 _E4, _E5 = Fp8Format.E4M3, Fp8Format.E5M2
-_TILE, _BLOCK, _ROW = (1, 128), (128, 128), (1, -1)
 
 _RECIPES = {
     RecipeName.HYBRID: dict(
-        output=_gemm(_E4, _TILE, _E4, _BLOCK),       # input per token tile, weight per 128x128 block
-        grad_input=_gemm(_E4, _TILE, _E4, _BLOCK),   # grad_output per token tile, weight.T per block
-        grad_weight=_gemm(_E4, _TILE, _E4, _TILE),   # both operands tiled along the token dim
+        output=_gemm(_E4, TILE, _E4, BLOCK),       # input per token tile, weight per 128x128 block
+        grad_input=_gemm(_E4, TILE, _E4, BLOCK),   # grad_output per token tile, weight.T per block
+        grad_weight=_gemm(_E4, TILE, _E4, TILE),   # both operands tiled along the token dim
     ),
     RecipeName.TENSORWISE: dict(
         output=_gemm(_E4, None, _E4, None),
@@ -127,9 +127,9 @@ _RECIPES = {
         grad_weight=_gemm(_E5, None, _E4, None),
     ),
     RecipeName.ROWWISE: dict(
-        output=_gemm(_E4, _ROW, _E4, _ROW),
-        grad_input=_gemm(_E4, _ROW, _E4, _ROW),
-        grad_weight=_gemm(_E4, _ROW, _E4, _ROW),
+        output=_gemm(_E4, ROW, _E4, ROW),
+        grad_input=_gemm(_E4, ROW, _E4, ROW),
+        grad_weight=_gemm(_E4, ROW, _E4, ROW),
     ),
     RecipeName.BF16: dict(output=None, grad_input=None, grad_weight=None),
 }

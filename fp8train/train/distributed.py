@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..fp8 import fsdp as _fsdp_fp8
+from ..fp8.linear import FP8Linear
 
 from .checkpoint import _fsync_dir
 
@@ -216,18 +217,11 @@ def apply_fsdp(model: nn.Module, cfg: DistributedConfig, info: ParallelInfo) -> 
         return report
     layers = _decoder_layers(model)
     for fqn, module in model.named_modules():
-        if not (isinstance(module, _fsdp_fp8.FP8Linear) and module.recipe.enabled):
-            continue
-        # FSDP refills the gathered weight's buffer in place every step without bumping its version, so
-        # FP8Linear's weight cache could not tell new weights from old ones: quantize on every forward.
-        module._cache_weight = False
-        module._weight_cache = None
-        if cfg.fp8_param_gather:
-            why = _fsdp_fp8.fp8_gather_blocker(module, info.world_size)
+        if isinstance(module, FP8Linear) and module.recipe.enabled:
+            why = module.prepare_fsdp(info.world_size, cfg.fp8_param_gather)
             if why is None:
-                _fsdp_fp8.enable_fp8_all_gather(module)
                 report.fp8_gather.append(fqn)
-            else:
+            elif cfg.fp8_param_gather:
                 report.bf16_gather[fqn] = why
     mesh = init_device_mesh(info.device.type, (info.world_size,))
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)

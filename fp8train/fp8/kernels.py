@@ -97,20 +97,6 @@ def _quant(x, s, inv, FMT_MAX: tl.constexpr, POW2: tl.constexpr):
 
 
 @triton.jit
-def _load_tile(ptr, R, C, stride, BF16: tl.constexpr, BLOCK: tl.constexpr):
-    """This program's BLOCK x BLOCK tile of a row-major [R, C] tensor (zeros outside it), its row and column
-    offsets and their in-bounds masks. A BF16 tile stays BF16 (16-bit registers) until its multiply."""
-    offs_r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    offs_c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    in_r = offs_r < R
-    in_c = offs_c < C
-    x = tl.load(ptr + offs_r[:, None] * stride + offs_c[None, :], mask=in_r[:, None] & in_c[None, :], other=0.0)
-    if not BF16:
-        x = x.to(tl.float32)
-    return x, offs_r, offs_c, in_r, in_c
-
-
-@triton.jit
 def _act_kernel(
     x_ptr, M, K, stride_xm,
     qr_ptr, sr_ptr, Kp,        # rows copy [M, Kp], scales [Kp/128, M]
@@ -120,7 +106,14 @@ def _act_kernel(
 ):
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
-    x, offs_m, offs_k, in_m, in_k = _load_tile(x_ptr, M, K, stride_xm, BF16, BLOCK)
+    offs_m = pid_m * BLOCK + tl.arange(0, BLOCK)
+    offs_k = pid_k * BLOCK + tl.arange(0, BLOCK)
+    in_m = offs_m < M
+    in_k = offs_k < K
+    x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                mask=in_m[:, None] & in_k[None, :], other=0.0)  # BF16 stays BF16 until the multiply
+    if not BF16:
+        x = x.to(tl.float32)
     # both amaxes first, so that the |x| bit patterns die before the quantized copies are made
     ax = _abs_bits(x, BF16)
     s_r = _scale_from_amax_bits(_amax_bits(ax, 1, BF16), ROW_MAX, POW2)  # one per (token, 128 features)
@@ -149,7 +142,14 @@ def _weight_kernel(
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    w, offs_n, offs_k, in_n, in_k = _load_tile(w_ptr, N, K, stride_wn, BF16, BLOCK)
+    offs_n = pid_n * BLOCK + tl.arange(0, BLOCK)
+    offs_k = pid_k * BLOCK + tl.arange(0, BLOCK)
+    in_n = offs_n < N
+    in_k = offs_k < K
+    w = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :],
+                mask=in_n[:, None] & in_k[None, :], other=0.0)
+    if not BF16:
+        w = w.to(tl.float32)
     s = _scale_from_amax_bits(tl.max(_amax_bits(_abs_bits(w, BF16), 1, BF16), axis=0), FMT_MAX, POW2)
     # IEEE division also for power-of-two scales (exact, the same numbers as the multiply): with the multiply
     # the transposed store below came out wrong on the H200 (Triton 3.6; seen 2026-12-02, cause not found).

@@ -77,18 +77,24 @@ class BenchCase:
     """Embedding rows; None: the preset's (presets sized by a tokenizer get Qwen2.5's 151,936)."""
 
 
-def categorize_profile(prof) -> dict[str, float]:
-    """CUDA kernel time (ms) of a torch.profiler run by category. Only kernel events are summed (a CPU op's
-    device time is its kernels' time again). FP8 GEMMs are told by the kernel's name, not by the op that
-    launched it: a CUDA graph replay records kernels without their ops."""
+def _kernel_events(prof):
+    """(name, ms) of the CUDA kernels of a torch.profiler run. A CPU op's device time is its kernels' time
+    again, and a GPU user annotation (such as torch's `Optimizer.step#AdamW.step`, whose "device time" is
+    the span of the kernels inside it) is not a kernel: both are left out."""
     from torch.autograd import DeviceType
 
-    out: dict[str, float] = defaultdict(float, {"fp8 gemm": 0.0, "bf16/fp32 gemm": 0.0})
     for evt in prof.key_averages():
         t = evt.self_device_time_total / 1e3
-        if evt.device_type == DeviceType.CPU or t <= 0:
-            continue
-        name = evt.key.lower()
+        if evt.device_type != DeviceType.CPU and t > 0 and not getattr(evt, "is_user_annotation", False):
+            yield evt.key, t
+
+
+def categorize_profile(prof) -> dict[str, float]:
+    """CUDA kernel time (ms) of a torch.profiler run by category (`_kernel_events`). FP8 GEMMs are told by
+    the kernel's name, not by the op that launched it: a CUDA graph replay records kernels without their ops."""
+    out: dict[str, float] = defaultdict(float, {"fp8 gemm": 0.0, "bf16/fp32 gemm": 0.0})
+    for key, t in _kernel_events(prof):
+        name = key.lower()
         cat = next(cat for cat, pat in _KERNEL_CATEGORIES if re.search(pat, name))
         if cat == "gemm":
             cat = "fp8 gemm" if re.search(_FP8_GEMM, name) else "bf16/fp32 gemm"
@@ -106,15 +112,8 @@ def _convert_torchao(model, recipe: str) -> None:
 
 def top_kernel_times(prof, n: int) -> list[tuple[str, str, float]]:
     """The n CUDA kernels with the most device time in the profile: (category, name, ms)."""
-    from torch.autograd import DeviceType
-
-    rows = []
-    for evt in prof.key_averages():
-        t = evt.self_device_time_total / 1e3
-        if evt.device_type != DeviceType.CPU and t > 0:
-            name = evt.key
-            cat = next(cat for cat, pat in _KERNEL_CATEGORIES if re.search(pat, name.lower()))
-            rows.append((cat, name[:120], t))
+    rows = [(next(cat for cat, pat in _KERNEL_CATEGORIES if re.search(pat, name.lower())), name[:120], t)
+            for name, t in _kernel_events(prof)]
     return sorted(rows, key=lambda r: -r[2])[:n]
 
 

@@ -39,8 +39,8 @@ def test_a_failing_variant_is_reported_not_fatal(capsys):
     assert rc == 1 and "FAILED" in out  # torchao is not installed on the CPU test machine
 
 
-def _evt(key, device, ms):
-    return SimpleNamespace(key=key, device_type=device, self_device_time_total=ms * 1e3)
+def _evt(key, device, ms, annotation=False):
+    return SimpleNamespace(key=key, device_type=device, self_device_time_total=ms * 1e3, is_user_annotation=annotation)
 
 
 def test_profile_counts_kernels_once_and_splits_fp8_gemms_by_kernel_name():
@@ -53,7 +53,8 @@ def test_profile_counts_kernels_once_and_splits_fp8_gemms_by_kernel_name():
                     _evt("nvjet_sm90_qqtst_128x128_128x6_2x1_v_bz_coopA_algo2_Ablk128_Bvec128_TNN", cuda, 2.0),
                     _evt("sm90_xmma_gemm_e4m3bf16_e4m3f32_f32_tn_n", cuda, 1.0),
                     _evt("_act_kernel", cuda, 1.0), _evt("pytorch_flash::flash_fwd_kernel", cuda, 2.0),
-                    _evt("multi_tensor_apply_kernel<Adam>", cuda, 0.5), _evt("triton_red_fused_rms", cuda, 0.25)]
+                    _evt("multi_tensor_apply_kernel<Adam>", cuda, 0.5), _evt("triton_red_fused_rms", cuda, 0.25),
+                    _evt("Optimizer.step#AdamW.step", cuda, 0.5, annotation=True)]  # spans the Adam kernel
 
     p = categorize_profile(Prof())
     assert p["fp8 gemm"] == pytest.approx(3.0) and p["bf16/fp32 gemm"] == pytest.approx(5.0)

@@ -22,6 +22,10 @@ Why the kernels are cheap per element (they must stream at memory speed, ~4 TB/s
   weight kernel (see there), keep the IEEE division and the clamp, as the reference;
 - a BF16 tile stays BF16 in registers (amax on its 16-bit patterns) and is widened only for the multiply:
   half the registers, so two programs fit on an SM and one's loads overlap the other's arithmetic.
+
+Pointers stay in the kernels' own bodies: a pointer passed into a `@triton.jit` helper makes torch 2.11's
+mutation analysis (which decides what inductor copies before a user kernel) list that input as written,
+and inductor then copies every input before every launch (seen on the H200, 2026-12-04).
 """
 
 from __future__ import annotations

@@ -9,11 +9,9 @@ grad clipping) on the same random tokens from the same initial weights; only the
   torchao-tensorwise,  torchao.float8.convert_to_float8_training (LM head left in BF16), when torchao
   torchao-rowwise      is importable
 A variant may carry modifiers, for A/B runs in one process: `hybrid+wgrad_from_fp8` (the recipe's
-`wgrad_input_from_fp8`: one FP8 copy of each input, input.T re-quantized from it in the backward), and
-experiment switches of the compiled path: `hybrid@inductor` (activations quantized by the traced reference
-ops, which inductor fuses into the kernel producing them, instead of fp8train's Triton kernel) and
-`hybrid@save_input` (the input kept for grad_weight instead of its FP8 transposed copy, which the backward
-then makes; the partitioner may recompute the input instead of saving it). Switches combine: `@a@b`.
+`wgrad_input_from_fp8`: one FP8 copy of each input, input.T re-quantized from it in the backward) and
+`hybrid@inductor` (under torch.compile, activations quantized by the traced reference ops, which inductor
+fuses into the kernel producing them, instead of fp8train's Triton kernel).
 `compiled` applies torch.compile to each decoder layer, for every variant alike (the trainer's
 `train.compile`); `cudagraphs` also replays each layer as CUDA graphs (`train.cuda_graphs`). Step time
 is the median of the timed steps after the warm-up; peak memory is torch.cuda.max_memory_allocated over
@@ -161,46 +159,41 @@ def memory_breakdown(trainer, batches: list[dict]) -> dict[str, float]:
     return out
 
 
-_SWITCHES = {"inductor": "_INDUCTOR_QUANTIZES_ACTIVATIONS", "save_input": "_SAVE_INPUT_UNDER_COMPILE"}
-
-
 def parse_variant(name: str):
-    """(base variant, Fp8Recipe or None, experiment switches) of a variant name with modifiers."""
+    """(base variant, Fp8Recipe or None, inductor-quantized activations) of a variant name with modifiers."""
     from dataclasses import replace
 
     from .fp8.recipe import make_recipe
 
-    base, *switches = name.split("@")
+    base, _, impl = name.partition("@")
     base, *mods = base.split("+")
-    if base not in VARIANTS or any(s not in _SWITCHES for s in switches) or any(m not in _MODIFIERS for m in mods):
+    if base not in VARIANTS or impl not in ("", "inductor") or any(m not in _MODIFIERS for m in mods):
         raise ValueError(f"unknown variant {name!r}: one of {list(VARIANTS)}, optionally with "
-                         f"{['+' + m for m in _MODIFIERS]} and {['@' + s for s in _SWITCHES]}")
+                         f"{['+' + m for m in _MODIFIERS]} and/or '@inductor'")
     recipe = None
     if mods:
         recipe = replace(make_recipe(base), wgrad_input_from_fp8="wgrad_from_fp8" in mods)
-    return base, recipe, frozenset(switches)
+    return base, recipe, impl == "inductor"
 
 
 @contextlib.contextmanager
-def _experiment_switches(switches: frozenset):
-    """ops' experiment switches set while a case traces, then restored."""
+def _activation_quantization(inductor: bool):
+    """The `@inductor` experiment: ops' switch set while a case traces, then restored."""
     from .fp8 import ops
 
-    previous = {attr: getattr(ops, attr) for attr in _SWITCHES.values()}
-    for name, attr in _SWITCHES.items():
-        setattr(ops, attr, name in switches)
+    previous = ops._INDUCTOR_QUANTIZES_ACTIVATIONS
+    ops._INDUCTOR_QUANTIZES_ACTIVATIONS = inductor
     try:
         yield
     finally:
-        for attr, value in previous.items():
-            setattr(ops, attr, value)
+        ops._INDUCTOR_QUANTIZES_ACTIVATIONS = previous
 
 
 def run_case(case: BenchCase, *, steps: int = 5, warmup: int = 2, device: str = "cuda", profile: bool = False,
              activation_checkpointing: bool = False, memory: bool = False, top_kernels: int = 0) -> dict:
     """Build the model, run `warmup + steps` training steps of one sequence, return the measurements."""
-    base, custom, switches = parse_variant(case.variant)
-    with _experiment_switches(switches):
+    base, custom, inductor_quant = parse_variant(case.variant)
+    with _activation_quantization(inductor_quant):
         return _run_case(case, base, custom, steps, warmup, device, profile, activation_checkpointing, memory,
                          top_kernels)
 
@@ -334,7 +327,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--seq", type=int, nargs="+", default=[8192])
     p.add_argument("--vocab", type=int, default=None, help="embedding rows (default: the preset's)")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), metavar="VARIANT",
-                   help=f"{', '.join(VARIANTS)}; modifiers: +wgrad_from_fp8, @inductor, @save_input (see above)")
+                   help=f"{', '.join(VARIANTS)}; modifiers: +wgrad_from_fp8, @inductor (see above)")
     p.add_argument("--modes", nargs="+", default=["compiled"], choices=MODES,
                    help="compiled: torch.compile per layer; cudagraphs: also CUDA graphs (no per-kernel launch cost)")
     p.add_argument("--steps", type=int, default=5, help="timed steps (median)")

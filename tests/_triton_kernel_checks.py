@@ -68,21 +68,17 @@ def interpret() -> dict:
             for pow2 in (True, False):
                 rr, rs = _pre_conversion(x, fmt, pow2)
                 cr, cs = _pre_conversion(x.t(), fmt, pow2)
-                for rows, cols in ((True, True), (True, False), (False, True)):
-                    qr, sr, qc, sc = tq.quantize_tiles_and_transpose(x, fake, fake, pow2, 512, cols=cols, rows=rows)
-                    ok = True
-                    if rows:
-                        ok &= torch.equal(_bits(qr[:, :K]), _bits(rr)) and torch.equal(_bits(sr[:, :rs.shape[1]]), _bits(rs))
-                        ok &= not qr[:, K:].any() and bool((sr[:, rs.shape[1]:] == 1).all())
-                    else:
-                        ok &= qr is None and sr is None
+                for cols in (True, False):
+                    qr, sr, qc, sc = tq.quantize_tiles_and_transpose(x, fake, fake, pow2, 512, cols=cols)
+                    ok = torch.equal(_bits(qr[:, :K]), _bits(rr)) and torch.equal(_bits(sr[:, :rs.shape[1]]), _bits(rs))
+                    ok &= not qr[:, K:].any() and bool((sr[:, rs.shape[1]:] == 1).all())
                     if cols:
                         ok &= torch.equal(_bits(qc[:, :M]), _bits(cr)) and torch.equal(_bits(sc[:, :cs.shape[1]]), _bits(cs))
                         ok &= not qc[:, M:].any() and bool((sc[:, cs.shape[1]:] == 1).all())
                     else:
                         ok &= qc is None and sc is None
                     if not ok:
-                        failures.append(f"activation {name} {f} pow2={pow2} rows={rows} cols={cols}")
+                        failures.append(f"activation {name} {f} pow2={pow2} cols={cols}")
         if x.dtype == torch.float32 and x.shape[0] % 128 == 0:  # weights: FP32 masters, 128x128 blocks
             for pow2 in (True, False):
                 fmt = Fp8Format.E4M3
@@ -125,11 +121,11 @@ def compile_sm90() -> dict:
     w_sig.update(w_ptr="*fp32", N="i32", K="i32", stride_wn="i32", q_ptr="*fp8e4nv", ld_q="i32", s_ptr="*fp32",
                  ld_s="i32")
     out = {}
-    for rows, cols in ((True, True), (True, False), (False, True)):
-        consts = dict(ROW_MAX=448.0, COL_MAX=448.0, POW2=True, ROWS=rows, COLS=cols, BF16=True, BLOCK=128)
+    for cols in (True, False):
+        consts = dict(ROW_MAX=448.0, COL_MAX=448.0, POW2=True, COLS=cols, BF16=True, BLOCK=128)
         k = triton.compile(ASTSource(tq._act_kernel, act_sig, consts, aligned), target=target,
                            options={"num_warps": tq._NUM_WARPS})
-        out[f"activation rows={rows} cols={cols}"] = _resources(k)
+        out[f"activation cols={cols}"] = _resources(k)
     for transpose in (False, True):
         consts = dict(FMT_MAX=448.0, POW2=True, BF16=False, TRANSPOSE=transpose, BLOCK=128)
         k = triton.compile(ASTSource(tq._weight_kernel, w_sig, consts, aligned), target=target,

@@ -127,19 +127,6 @@ def test_compiled_decoder_layer_is_one_graph_with_eager_numbers(monkeypatch):
     assert eager_calls["_quantize_activation"] == 11 and dict(calls) == eager_calls, (dict(calls), eager_calls)
 
 
-def test_compiled_layer_keeping_the_input_for_grad_weight(monkeypatch):
-    """The `_SAVE_INPUT_UNDER_COMPILE` experiment: the compiled layer keeps the input (input.T is quantized in
-    the backward from it) and computes eager's numbers bit for bit."""
-    monkeypatch.setattr(_fp8_ops, "_SAVE_INPUT_UNDER_COMPILE", True)
-    model = _tiny_model()
-    layer = decoder_layers(model)[0]
-    ids = torch.randint(0, 256, (2, 96), generator=torch.Generator().manual_seed(4))
-    ref = _step(model, layer, ids)
-    compiled = torch.compile(layer, backend="aot_eager")
-    got = _step(model, compiled, ids)
-    assert all(torch.equal(a, b) for a, b in zip(got, ref))
-
-
 def test_compiled_with_changing_sequence_lengths(monkeypatch):
     """A new length recompiles with a dynamic token dimension (the fake implementations take symbolic
     sizes); every length still gives eager's numbers."""

@@ -106,7 +106,7 @@ def _act_kernel(
     qr_ptr, sr_ptr, Kp,        # rows copy [M, Kp], scales [Kp/128, M]
     qc_ptr, sc_ptr, Mp,        # cols copy [K, Mp], scales [Mp/128, K]
     ROW_MAX: tl.constexpr, COL_MAX: tl.constexpr,  # the copies' dtypes are their pointers'
-    POW2: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, BF16: tl.constexpr, BLOCK: tl.constexpr,
+    POW2: tl.constexpr, COLS: tl.constexpr, BF16: tl.constexpr, BLOCK: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -120,16 +120,14 @@ def _act_kernel(
         x = x.to(tl.float32)
     # both amaxes first, so that the |x| bit patterns die before the quantized copies are made
     ax = _abs_bits(x, BF16)
-    if ROWS:
-        s_r = _scale_from_amax_bits(_amax_bits(ax, 1, BF16), ROW_MAX, POW2)  # one per (token, 128 features)
+    s_r = _scale_from_amax_bits(_amax_bits(ax, 1, BF16), ROW_MAX, POW2)  # one per (token, 128 features)
     if COLS:
         s_c = _scale_from_amax_bits(_amax_bits(ax, 0, BF16), COL_MAX, POW2)  # one per (feature, 128 tokens)
 
-    if ROWS:
-        q_r = _quant(x, s_r[:, None], _inverse(s_r, POW2)[:, None], ROW_MAX, POW2)
-        tl.store(qr_ptr + offs_m[:, None] * Kp + offs_k[None, :], q_r.to(qr_ptr.dtype.element_ty),
-                 mask=in_m[:, None] & (offs_k < Kp)[None, :])
-        tl.store(sr_ptr + pid_k * M + offs_m, s_r, mask=in_m & (pid_k * BLOCK < Kp))
+    q_r = _quant(x, s_r[:, None], _inverse(s_r, POW2)[:, None], ROW_MAX, POW2)
+    tl.store(qr_ptr + offs_m[:, None] * Kp + offs_k[None, :], q_r.to(qr_ptr.dtype.element_ty),
+             mask=in_m[:, None] & (offs_k < Kp)[None, :])
+    tl.store(sr_ptr + pid_k * M + offs_m, s_r, mask=in_m & (pid_k * BLOCK < Kp))
 
     if COLS:  # the cols copy is stored transposed, [K, Mp]
         q_c = _quant(x, s_c[None, :], _inverse(s_c, POW2)[None, :], COL_MAX, POW2).to(qc_ptr.dtype.element_ty)
@@ -177,33 +175,32 @@ def _launcher(kernel, traced: bool):
     return torch.library.wrap_triton(kernel) if traced else kernel
 
 
-def quantize_tiles_and_transpose(x2d, row_fmt, col_fmt, pow2: bool, pad: int, cols: bool = True, rows: bool = True,
+def quantize_tiles_and_transpose(x2d, row_fmt, col_fmt, pow2: bool, pad: int, cols: bool = True,
                                  num_warps: int = _NUM_WARPS, _traced: bool = False):
     """x2d [M, K] -> (rows data [M, Kp], rows scale view (M, Kp/128) with strides (1, M),
     cols data [K, Mp], cols scale view (K, Mp/128) with strides (1, K)); Kp, Mp = round_up(., pad).
-    `cols=False` skips the transposed copy (no backward will need it), `rows=False` the row copy (a backward
-    that needs only the transposed one); a skipped copy comes back as None, None.
+    `cols=False` skips the transposed copy (no backward will need it) and returns None for it.
     A format is anything with `.dtype` (of the copy) and `.max` (an FP32 dtype gives the values before
     the FP8 conversion: the CPU interpreter checks use it)."""
     M, K = x2d.shape
     Kp, Mp = round_up(K, pad), round_up(M, pad)
     dev = x2d.device
-    if rows:
-        qr = torch.empty(M, Kp, dtype=row_fmt.dtype, device=dev)
-        sr = torch.empty(Kp // _SIDE, M, dtype=torch.float32, device=dev)
+    qr = torch.empty(M, Kp, dtype=row_fmt.dtype, device=dev)
+    sr = torch.empty(Kp // _SIDE, M, dtype=torch.float32, device=dev)
     if cols:
         qc = torch.empty(K, Mp, dtype=col_fmt.dtype, device=dev)
         sc = torch.empty(Mp // _SIDE, K, dtype=torch.float32, device=dev)
-    if not rows:  # dummies: the kernel compiles the skipped copy's stores out
-        qr, sr = qc, sc
-    if not cols:
-        qc, sc = qr, sr
-    grid = (-(-(max(Mp, M) if cols else M) // _SIDE), -(-(max(Kp, K) if rows else K) // _SIDE))
+        m_tiles = -(-max(Mp, M) // _SIDE)
+    else:  # dummies: the kernel compiles the cols store out
+        qc, sc, m_tiles = qr, sr, -(-M // _SIDE)
+    grid = (m_tiles, -(-max(Kp, K) // _SIDE))
     _launcher(_act_kernel, _traced)[grid](
         x2d, M, K, x2d.stride(0), qr, sr, Kp, qc, sc, Mp, ROW_MAX=row_fmt.max, COL_MAX=col_fmt.max,
-        POW2=pow2, ROWS=rows, COLS=cols, BF16=x2d.dtype == torch.bfloat16, BLOCK=_SIDE, num_warps=num_warps,
+        POW2=pow2, COLS=cols, BF16=x2d.dtype == torch.bfloat16, BLOCK=_SIDE, num_warps=num_warps,
     )
-    return (*((qr, sr.t()) if rows else (None, None)), *((qc, sc.t()) if cols else (None, None)))
+    if not cols:
+        return qr, sr.t(), None, None
+    return qr, sr.t(), qc, sc.t()
 
 
 def quantize_blocks(w, fmt, pow2: bool, pad: int, transpose: bool = False, num_warps: int = _NUM_WARPS,
@@ -236,12 +233,12 @@ _FORMATS = {f.dtype: f for f in Fp8Format}
 
 @torch.library.triton_op("fp8train::quantize_tiles", mutates_args=())
 def quantize_tiles_op(x2d: torch.Tensor, row_dtype: torch.dtype, col_dtype: torch.dtype, pow2: bool, pad: int,
-                      rows: bool, cols: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    out = quantize_tiles_and_transpose(x2d, _FORMATS[row_dtype], _FORMATS[col_dtype], pow2, pad, cols, rows,
-                                       _traced=True)
-    empty = (x2d.new_empty(0, dtype=torch.uint8), x2d.new_empty(0, dtype=torch.float32))
-    qr, sr, qc, sc = (*(out[:2] if rows else empty), *(out[2:] if cols else empty))
-    return qr, sr.t() if rows else sr, qc, sc.t() if cols else sc
+                      cols: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    qr, sr, qc, sc = quantize_tiles_and_transpose(x2d, _FORMATS[row_dtype], _FORMATS[col_dtype], pow2, pad, cols,
+                                                  _traced=True)
+    if not cols:
+        return qr, sr.t(), x2d.new_empty(0, dtype=torch.uint8), x2d.new_empty(0, dtype=torch.float32)
+    return qr, sr.t(), qc, sc.t()
 
 
 @torch.library.triton_op("fp8train::quantize_blocks", mutates_args=())

@@ -192,15 +192,10 @@ class FP8Linear(nn.Linear):
         plan = self._plans[_use_cublas(x2d) and not self.recipe.emulate]
         dev = x.device.type
         out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
-        # a backward that computes dW needs input.T: made now from x (or, compiled, from x kept for backward),
-        # or from the saved FP8 rows (the recipe's wgrad_input_from_fp8)
+        # a backward that computes dW needs input.T: made now from x, or later from the saved FP8 rows
         grad_weight = torch.is_grad_enabled() and self.weight.requires_grad
-        keep_x = grad_weight and not plan.x_t_from_fp8 and ops._SAVE_INPUT_UNDER_COMPILE and torch.compiler.is_compiling()
-        make_cols = grad_weight and not plan.x_t_from_fp8 and not keep_x
-        x_rows, x_rows_scale, x_t, x_t_scale = self._quantize_input(x, x2d, plan, make_cols)
-        x_saved = (None, None)
-        if grad_weight:
-            x_saved = (x2d.detach(), None) if keep_x else (x_rows, x_rows_scale) if plan.x_t_from_fp8 else (x_t, x_t_scale)
+        x_rows, x_rows_scale, x_t, x_t_scale = self._quantize_input(x, x2d, plan, grad_weight and not plan.x_t_from_fp8)
+        x_saved = ((x_rows, x_rows_scale) if plan.x_t_from_fp8 else (x_t, x_t_scale)) if grad_weight else (None, None)
         w, w_scale = self._weight_operand(plan)
         stats = None
         if self._health_sink is not None:

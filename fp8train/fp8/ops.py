@@ -61,13 +61,9 @@ __all__ = ["OperandSpec", "LinearPlan", "Route", "gemm_route", "contraction_pad"
 # cuBLAS blockwise GEMMs need the number of 128-blocks along the contraction to be a multiple of 4
 # (K=8960 -> 70 blocks is refused or silently wrong): contractions are padded to 512 with zero data, scale 1.
 _BLOCKWISE_PAD = 512
-# Experiment switches (`fp8train bench` variants `@inductor`, `@save_input`), read at trace time:
-# under torch.compile on CUDA, quantize activations with the traced reference ops (inductor fuses them into
-# the kernel that produces the activation) instead of the Triton kernel (one more pass over it);
+# Under torch.compile on CUDA, quantize activations with the traced reference ops (inductor fuses them into
+# the kernel that produces the activation) instead of the Triton kernel (one more pass over it).
 _INDUCTOR_QUANTIZES_ACTIVATIONS = False
-# under torch.compile, save the input for grad_weight instead of its FP8 transposed copy (the partitioner may
-# recompute it from what the layer saves anyway) and quantize input.T in the backward.
-_SAVE_INPUT_UNDER_COMPILE = False
 
 
 def reference_fp8_linear(x: Tensor, w: Tensor, dy: Tensor, recipe: Fp8Recipe) -> tuple[Tensor, Tensor, Tensor]:
@@ -245,22 +241,21 @@ def _tile_kernel_applies(rows: OperandSpec, cols: OperandSpec, cublas: bool) -> 
     return rows.pad == cols.pad == _BLOCKWISE_PAD
 
 
-def _quantize_activation(x2d: Tensor, rows: OperandSpec, cols: OperandSpec, pow2: bool, make_rows: bool,
-                         make_cols: bool, cublas: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """FP8 copies of an activation x [M, K], both quantized from x itself: rows (blocks of x, for output /
-    grad_input) and cols (blocks of x.T, for grad_weight), each only if asked for (else empty tensors)."""
+def _quantize_activation(x2d: Tensor, rows: OperandSpec, cols: OperandSpec, pow2: bool, make_cols: bool,
+                         cublas: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """FP8 copies of an activation x [M, K]: rows (blocks of x, for output / grad_input) and, if
+    `make_cols`, cols (blocks of x.T, for grad_weight), both quantized from x itself; no cols: empty."""
     if x2d.stride(1) != 1:  # the kernel reads rows with unit stride
         x2d = x2d.contiguous()
     if _tile_kernel_applies(rows, cols, cublas):
         if torch.compiler.is_compiling():  # its triton_op: inductor sees into it and launches it itself
-            return _kernels.quantize_tiles_op(x2d, rows.fmt.dtype, cols.fmt.dtype, pow2, rows.pad, make_rows, make_cols)
-        qr, sr, qc, sc = _kernels.quantize_tiles_and_transpose(x2d, rows.fmt, cols.fmt, pow2, rows.pad, make_cols,
-                                                               make_rows)
-        return (*((qr, sr.t()) if make_rows else _empty(x2d)), *((qc, sc.t()) if make_cols else _empty(x2d)))
-    rd, rs = quantize_operand(x2d, rows, pow2) if make_rows else _empty(x2d)
+            return _kernels.quantize_tiles_op(x2d, rows.fmt.dtype, cols.fmt.dtype, pow2, rows.pad, make_cols)
+        qr, sr, qc, sc = _kernels.quantize_tiles_and_transpose(x2d, rows.fmt, cols.fmt, pow2, rows.pad, make_cols)
+        return (qr, sr.t(), qc, sc.t()) if make_cols else (qr, sr.t(), *_empty(x2d))
+    rd, rs = quantize_operand(x2d, rows, pow2)
     if not make_cols:
         return rd, rs, *_empty(x2d)
-    if make_rows and (rows.fmt, rows.block) == (cols.fmt, cols.block) and rows.block is None and rows.fmt:
+    if (rows.fmt, rows.block) == (cols.fmt, cols.block) and rows.block is None and rows.fmt is not None:
         # one scale for the tensor: the transposed copy is the row copy transposed, exactly
         return rd, rs, _pad_last(rd[:, : x2d.shape[1]].t().contiguous(), cols.pad), rs.clone()
     return rd, rs, *quantize_operand(x2d.t(), cols, pow2)
@@ -372,7 +367,7 @@ def _(a, b, scale_a, recipe_a, scale_b, recipe_b, out_dtype):
 def _quantize_input_impl(x: Tensor, plan: str, make_cols: bool, kernels: bool = True) -> tuple[Tensor, ...]:
     """Input rows (operand a of output) and, with `make_cols`, input.T (operand b of grad_weight)."""
     p = LinearPlan.parse(plan)
-    return _quantize_activation(x, p.x, p.x_t, p.pow2, True, make_cols, p.cublas and kernels)
+    return _quantize_activation(x, p.x, p.x_t, p.pow2, make_cols, p.cublas and kernels)
 
 
 def _forward_impl(x_rows: Tensor, x_rows_scale: Tensor, weight: Tensor, w: Tensor | None, w_scale: Tensor | None,
@@ -388,11 +383,10 @@ def _backward_impl(dy: Tensor, weight: Tensor, w: Tensor | None, w_scale: Tensor
                    x_saved_scale: Tensor | None, plan: str, want_dx: bool, want_dw: bool,
                    dx_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """grad_output quantized (rows; cols when dW is wanted), then grad_input and grad_weight (FP32).
-    `x_saved` is input.T's operand; or the input rows with the plan's `x_t_from_fp8`; or, with no scale, the
-    high-precision input, whose input.T is quantized here. `w` is W's operand when the forward was given one
-    (W.T is then its transpose where that is exact)."""
+    `x_saved` is input.T's operand, or the input rows with the plan's `x_t_from_fp8`; `w` is W's operand
+    when the forward was given one (W.T is then its transpose where that is exact)."""
     p = LinearPlan.parse(plan)
-    g, g_scale, g_t, g_t_scale = _quantize_activation(dy, p.g, p.g_t, p.pow2, True, want_dw, p.cublas)
+    g, g_scale, g_t, g_t_scale = _quantize_activation(dy, p.g, p.g_t, p.pow2, want_dw, p.cublas)
     dx = dw = dy.new_empty(0, dtype=torch.float32)
     if want_dx:
         w_t = transpose_weight(w, w_scale, p.w, p.w_t, weight.shape[1]) if w is not None else None
@@ -400,9 +394,7 @@ def _backward_impl(dy: Tensor, weight: Tensor, w: Tensor | None, w_scale: Tensor
         # grad_input: dx [M, K] = dy [M, Np] @ W.T [K, Np].T
         dx = gemm(g, g_scale, p.g, *w_t, p.w_t, dx_dtype, p.cublas)
     if want_dw:
-        if x_saved_scale is None:  # the input itself was saved (under torch.compile: see FP8Linear)
-            *_, x_saved, x_saved_scale = _quantize_activation(x_saved, p.x, p.x_t, p.pow2, False, True, p.cublas)
-        elif p.x_t_from_fp8:  # dequantize the saved rows, transpose, re-quantize (DeepSeek-V3)
+        if p.x_t_from_fp8:  # dequantize the saved rows, transpose, re-quantize (DeepSeek-V3)
             rows = dequantize_operand(x_saved, x_saved_scale, p.x)[:, : weight.shape[1]]
             x_saved, x_saved_scale = quantize_operand(rows.t(), p.x_t, p.pow2)
         # grad_weight: dW [N, K] = dy.T [N, Mp] @ x.T [K, Mp].T

@@ -1,5 +1,6 @@
 """Exact resume: an interrupted run, resumed from its last checkpoint, reproduces the uninterrupted
-run's per-step losses bit for bit on the CPU, also after `kill -9` of the CLI process."""
+run's per-step losses bit for bit on the CPU, also after `kill -9` of the CLI process. Resume refuses to continue a run with a config that
+changes its trajectory, and a refused command changes no file of the run."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from fp8train.cli import main
 from fp8train.train.checkpoint import find_latest_checkpoint
-from fp8train.train.config import load_config
+from fp8train.train.config import ConfigError, config_to_dict, load_config
 from fp8train.train.trainer import Trainer
 from test_trainer import TINY_CONFIG, byte_tokenizer, corpus, one_thread, tiny_config, tiny_overrides  # noqa: F401
 
@@ -102,12 +104,82 @@ def test_kill_9_of_cli_mid_run_then_resume_is_bit_exact(tmp_path, byte_tokenizer
     assert (run_dir / "final" / "config.json").is_file()
 
 
+def _snapshot(run_dir: Path) -> dict:
+    """Every file of the run: its bytes and modification time."""
+    return {p.relative_to(run_dir).as_posix(): (p.read_bytes(), p.stat().st_mtime_ns)
+            for p in sorted(run_dir.rglob("*")) if p.is_file()}
+
+
+_SHORT = {"recipe": "bf16", "train.steps": 2, "train.save_every": 0, "optim.warmup_steps": 1, "optim.decay_steps": 1,
+          "train.eval_every": 0, "train.health_every": 0}
+
+
+def test_resume_refuses_a_changed_trajectory_and_writes_nothing(tmp_path, byte_tokenizer, corpus, capsys):
+    """issue 17: `resume: auto` with a changed lr / recipe / data / seed refuses in one line naming each key,
+    old and new value, and how to proceed; the run's files are untouched. Longer runs and other cadences
+    continue, and the change is logged; `resume: force` continues with the new values."""
+    run_dir = tmp_path / "run"
+    Trainer(tiny_config(tmp_path, byte_tokenizer, corpus, **_SHORT), progress=False).fit()
+    before = _snapshot(run_dir)
+    for change, shown in (({"optim.lr": 1e-3}, "optim.lr 0.003 -> 0.001"), ({"recipe": "hybrid"}, "recipe 'bf16' -> 'hybrid'"),
+                          ({"data.seq_len": 32}, "data.seq_len 64 -> 32"), ({"seed": 1}, "seed 0 -> 1"),
+                          ({"train.steps": 1}, "train.steps 2 -> 1")):
+        with pytest.raises(ConfigError) as error:
+            Trainer(tiny_config(tmp_path, byte_tokenizer, corpus, **{**_SHORT, **change}), progress=False)
+        message = str(error.value)
+        assert "\n" not in message and shown in message and "new run_dir" in message and "resume=force" in message
+    capsys.readouterr()
+    overrides = tiny_overrides(tmp_path, byte_tokenizer, corpus, **{**_SHORT, "optim.lr": 1e-3, "recipe": "hybrid"})
+    assert main(["train", "--no-progress", str(TINY_CONFIG), *overrides]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "optim.lr 0.003 -> 0.001; recipe 'bf16' -> 'hybrid'" in err, err
+    assert _snapshot(run_dir) == before  # config.yaml, metrics.jsonl, checkpoints, final/: untouched
+
+    longer = Trainer(tiny_config(tmp_path, byte_tokenizer, corpus, **{**_SHORT, "train.steps": 3,
+                                                                       "train.log_every": 2}), progress=False)
+    assert longer.step == 2
+    assert "config changed since" in capsys.readouterr().out  # recorded in the log
+    assert sorted(longer.fit().losses) == [3]
+    assert load_config(run_dir / "config.yaml").train.steps == 3
+
+    forced = Trainer(tiny_config(tmp_path, byte_tokenizer, corpus, resume="force",
+                                 **{**_SHORT, "train.steps": 3, "optim.lr": 1e-3}), progress=False)
+    assert forced.step == 3 and forced.optimizer.param_groups[0]["initial_lr"] == 1e-3
+    assert "resume=force: continuing with a changed trajectory: optim.lr 0.003 -> 0.001" in capsys.readouterr().out
+    assert load_config(run_dir / "config.yaml").optim.lr == 1e-3
+
+
+def test_run_dir_with_metrics_but_no_checkpoint(tmp_path, byte_tokenizer, corpus, capsys):
+    """A run that died before its first checkpoint: the same config starts it over (the same steps again);
+    another config, or metrics without a config, refuse without touching metrics.jsonl."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
+    with pytest.raises(ConfigError, match=r"metrics.jsonl but no config.yaml or checkpoint.*resume=force"):
+        Trainer(tiny_config(tmp_path, byte_tokenizer, corpus, **_SHORT), progress=False)
+    cfg = tiny_config(tmp_path, byte_tokenizer, corpus, **_SHORT)
+    import yaml
+
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+    before = _snapshot(run_dir)
+    with pytest.raises(ConfigError, match=r"optim.lr 0.003 -> 0.001"):
+        Trainer(tiny_config(tmp_path, byte_tokenizer, corpus, **{**_SHORT, "optim.lr": 1e-3}), progress=False)
+    assert _snapshot(run_dir) == before
+    again = Trainer(cfg, progress=False)
+    assert again.step == 0 and "starts over from step 0" in capsys.readouterr().out
+    assert sorted(again.fit().losses) == [1, 2]
+
+
 def test_resume_none_refuses_a_run_dir_with_checkpoints(tmp_path, byte_tokenizer, corpus):
     extra = {"recipe": "bf16", "train.steps": 2, "train.save_every": 0, "optim.warmup_steps": 1,
              "optim.decay_steps": 1}
     Trainer(tiny_config(tmp_path, byte_tokenizer, corpus, **extra), progress=False).fit()
     with pytest.raises(FileExistsError, match="resume=auto"):
         Trainer(tiny_config(tmp_path, byte_tokenizer, corpus, resume="none", **extra), progress=False)
+    (tmp_path / "run" / "checkpoints").rename(tmp_path / "elsewhere")  # a run without checkpoints is a run too
+    with pytest.raises(FileExistsError, match="already holds a run"):
+        Trainer(tiny_config(tmp_path, byte_tokenizer, corpus, resume="none", **extra), progress=False)
+    (tmp_path / "elsewhere").rename(tmp_path / "run" / "checkpoints")
     # A finished run resumes to its end: nothing is trained again, the export is rewritten.
     again = Trainer(tiny_config(tmp_path, byte_tokenizer, corpus, **extra), progress=False)
     assert again.step == 2

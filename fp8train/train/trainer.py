@@ -33,6 +33,7 @@ from .distributed import World
 from .metrics import MetricsLogger, Throughput, flops_per_token, peak_memory_gib, peak_tflops
 from .model import build_model, load_model_tokenizer, parallelize_model
 from .optim import build_optimizer, build_scheduler, clip_grad_norm
+from .resume import plan_resume
 
 __all__ = ["NonFiniteLossError", "TrainResult", "Trainer", "train"]
 
@@ -94,6 +95,7 @@ class Trainer:
         self.ckpt_root = self.run_dir / "checkpoints"
         self.device = _pick_device(cfg.device)
         self.dtype = torch.bfloat16
+        self._resume_plan = plan_resume(cfg)  # refuses, before anything is built or written, the wrong run
         torch.manual_seed(cfg.seed)
 
         self.tokenizer = tokenizer if tokenizer is not None or model is not None else load_model_tokenizer(cfg.model)
@@ -142,24 +144,25 @@ class Trainer:
         return max(1, int(t.epochs * len(self.train_data)) // t.global_batch)
 
     def _resume(self) -> None:
-        mode = self.cfg.resume
-        latest = find_latest_checkpoint(self.ckpt_root)
-        if mode.lower() == "none":
-            if latest is not None:
-                raise FileExistsError(f"{self.ckpt_root} already holds checkpoints and config key 'resume' is "
-                                      "'none'; use resume=auto to continue, or a new run_dir")
+        ckpt = self._resume_plan.checkpoint
+        if ckpt is None:
             return
-        path = latest if mode.lower() == "auto" else Path(mode)
-        if path is None:
-            return
-        state = load_checkpoint(path, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler)
+        configured = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        state = load_checkpoint(ckpt, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler)
+        if self._resume_plan.forced:  # resume=force: the config's optimizer and schedule apply from here on
+            sched = self.scheduler
+            for group, new in zip(self.optimizer.param_groups, configured):
+                group.update(new)
+            sched.base_lrs = [g["initial_lr"] for g in self.optimizer.param_groups]
+            for group, base, lam in zip(self.optimizer.param_groups, sched.base_lrs, sched.lr_lambdas):
+                group["lr"] = base * lam(sched.last_epoch)
         self.sampler.load_state_dict(state["sampler"])
         self._batches = iter(self.sampler)
         self.step = state["step"]
         self.skipped_steps = state["skipped_steps"]
         self._nonfinite_in_a_row = state["nonfinite_in_a_row"]
         self.tokens_seen = state["tokens_seen"]
-        self._resumed_from = path
+        self._resumed_from = ckpt.path
 
     def _describe(self, data_stats) -> None:
         n_params = sum(p.numel() for p in self.model.parameters())
@@ -174,6 +177,7 @@ class Trainer:
             lines.append(f"data: {data_stats}")
         if self._resumed_from is not None:
             lines.append(f"resumed from {self._resumed_from} at step {self.step}")
+        lines += self._resume_plan.notes
         for line in lines:
             self.logger.write(line)
 

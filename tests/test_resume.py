@@ -1,5 +1,6 @@
 """Exact resume: an interrupted run, resumed from its last checkpoint, reproduces the uninterrupted
-run's per-step losses bit for bit on the CPU, also after `kill -9` of the CLI process. Resume refuses to continue a run with a config that
+run's per-step losses bit for bit on the CPU, also after `kill -9` of the CLI process (between saves,
+inside a save, and just before a save's rename). Resume refuses to continue a run with a config that
 changes its trajectory, and a refused command changes no file of the run."""
 
 from __future__ import annotations
@@ -9,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -69,38 +69,73 @@ def test_resume_after_interruption_is_bit_exact(tmp_path, byte_tokenizer, corpus
     assert _records(tmp_path / "cut" / "run") == _records(tmp_path / "full" / "run")  # replayed steps 4-5 once
 
 
-def test_kill_9_of_cli_mid_run_then_resume_is_bit_exact(tmp_path, byte_tokenizer, corpus):
-    extra = {"recipe": "hybrid", "train.steps": 12, "train.save_every": 3, "train.eval_every": 6}
+# Runs `fp8train train ARGS...` and kills itself (SIGKILL) at a point: after step N, inside the save that
+# writes a file (after torch.save wrote it), or inside a save with everything written, manifest
+# included, just before the rename into place.
+_KILLER = r"""
+import os, signal, sys
+point, arg = sys.argv[1], sys.argv[2]
+def die():
+    os.kill(os.getpid(), signal.SIGKILL)
+if point == "after_step":
+    from fp8train.train.trainer import Trainer
+    original = Trainer._after_step
+    def after_step(self, step, *a):
+        original(self, step, *a)
+        if step == int(arg):
+            die()
+    Trainer._after_step = after_step
+elif point == "writing":
+    import torch
+    real_save = torch.save
+    def save(obj, f, *a, **k):
+        real_save(obj, f, *a, **k)
+        if str(f).endswith(arg):
+            die()
+    torch.save = save
+elif point == "renaming":
+    real_replace = os.replace
+    def replace(src, dst, **k):
+        if os.path.basename(str(dst)) == arg:
+            die()
+        real_replace(src, dst, **k)
+    os.replace = replace
+from fp8train.cli import main
+sys.exit(main(sys.argv[3:]))
+"""
+
+
+def test_kill_9_between_and_inside_saves_then_resume_is_bit_exact(tmp_path, byte_tokenizer, corpus):
+    extra = {"recipe": "hybrid", "train.steps": 10, "train.save_every": 2, "train.eval_every": 5}
     reference = Trainer(tiny_config(tmp_path / "ref", byte_tokenizer, corpus, **extra), progress=False).fit()
 
     run_dir = tmp_path / "cli" / "run"
-    cmd = [sys.executable, "-m", "fp8train", "train", "--no-progress", str(TINY_CONFIG),
-           *tiny_overrides(tmp_path / "cli", byte_tokenizer, corpus, **extra)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # the same thread count as this process: same BF16 sums
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 120
-    try:
-        while time.monotonic() < deadline and proc.poll() is None:
-            if _logged_steps(run_dir) >= 7:
-                break
-            time.sleep(0.02)
-        assert proc.poll() is None, f"the run ended before it could be killed: {proc.stderr.read().decode()[-2000:]}"
-        os.kill(proc.pid, signal.SIGKILL)
-    finally:
-        proc.kill()
-        proc.wait()
-    assert proc.returncode == -signal.SIGKILL
-    assert not (run_dir / "final").exists()
-    killed_at = max(_records(run_dir))
-    assert 7 <= killed_at < 12
+    ckpts = run_dir / "checkpoints"
+    args = ["train", "--no-progress", str(TINY_CONFIG), *tiny_overrides(tmp_path / "cli", byte_tokenizer, corpus, **extra)]
+    # the same thread count as this process: the same BF16 sums
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent.parent)}
 
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    def run(*point):
+        cmd = [sys.executable, "-c", _KILLER, *(point or ("none", "-")), *args]
+        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+
+    for point, latest in ((("after_step", "3"), "step_00000002"),  # between saves
+                          (("writing", ".tmp_step_00000006/optimizer.pt"), "step_00000004"),  # a torn save
+                          (("renaming", "step_00000008"), "step_00000006")):  # complete but not in place
+        done = run(*point)
+        assert done.returncode == -signal.SIGKILL, done.stderr[-3000:]
+        assert find_latest_checkpoint(ckpts).name == latest, point
+        assert not (run_dir / "final").exists()
+    assert any(p.name.startswith(".tmp_step_00000008") for p in ckpts.iterdir())  # what the last kill left
+
+    done = run()
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "resumed from" in done.stderr + done.stdout
+    assert "resumed from" in done.stdout and "step_00000006" in done.stdout
     records = _records(run_dir)
-    assert sorted(records) == list(range(1, 13))
+    assert sorted(records) == list(range(1, 11))
     assert {s: r["loss"] for s, r in records.items()} == reference.losses  # bit for bit
-    assert records[12]["val_loss"] == reference.val_loss
+    assert records[10]["val_loss"] == reference.val_loss
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_00000008", "step_00000010"]  # no leftovers
     assert (run_dir / "final" / "config.json").is_file()
 
 

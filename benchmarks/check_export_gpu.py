@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from fp8train.train.checkpoint import export_hf
+from fp8train.export import export_hf
 from fp8train.data import load_tokenizer
 from fp8train.export import export_checkpoint
 from fp8train.train.model import ModelConfig, build_model

@@ -16,7 +16,7 @@ _LAZY = {
     "ModelConfig": "train.model", "build_model": "train.model",
     "OptimConfig": "train.optim", "build_optimizer": "train.optim", "build_scheduler": "train.optim",
     "save_checkpoint": "train.checkpoint", "load_checkpoint": "train.checkpoint",
-    "find_latest_checkpoint": "train.checkpoint", "export_hf": "train.checkpoint",
+    "find_latest_checkpoint": "train.checkpoint", "export_hf": "export",
     "CorruptCheckpointError": "train.checkpoint",
     # data
     "load_tokenizer": "data", "CptDataConfig": "data", "SftDataConfig": "data",

@@ -15,25 +15,33 @@ transformers' dequantizing loader assumes whole blocks, and vLLM needs every fus
 Everything that stays BF16 and is a Linear is listed in `modules_to_not_convert` (and `ignored_layers`,
 vLLM's name for it); `lm_head` is always listed because transformers converts every unlisted Linear.
 
-The export is written to a temporary sibling directory and renamed into place at the end, so a crash
-never leaves a directory at the output path that looks loadable.
+A training checkpoint is verified against its manifest before anything in it is read (a flipped byte
+is refused, and nothing is written). The export is written to a temporary sibling directory, fsynced and
+renamed into place at the end, so a crash never leaves a directory at the output path that looks
+loadable; files get the process umask's permissions.
+
+`export_hf` writes an in-memory model (plain or FSDP2-sharded) as a Hugging Face directory: the final
+export of a training run.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from .fp8.quant import quantize
+from .train import files as fs
+from .train.checkpoint import hf_model_dir, save_model_dir
 
-__all__ = ["EXPORT_FORMATS", "FP8_BLOCK", "export_checkpoint", "add_cli"]
+__all__ = ["EXPORT_FORMATS", "FP8_BLOCK", "export_checkpoint", "export_hf", "add_cli"]
 
 EXPORT_FORMATS = ("hf", "fp8-block")
 FP8_BLOCK = (128, 128)
@@ -47,10 +55,10 @@ _TOKENIZER_FILES = (
 
 
 def _resolve_model_dir(src: Path) -> Path:
-    """A Hugging Face model directory, or the `model/` directory inside a training checkpoint."""
-    for cand in (src, src / "model"):
-        if (cand / "config.json").is_file():
-            return cand
+    """A Hugging Face model directory, or the `model/` directory of a verified training checkpoint."""
+    model_dir = hf_model_dir(src)
+    if (model_dir / "config.json").is_file():
+        return model_dir
     raise FileNotFoundError(
         f"export: {src} is neither a Hugging Face model directory (config.json + *.safetensors) "
         f"nor a training checkpoint with one under model/"
@@ -181,24 +189,72 @@ def export_checkpoint(
                          f"export from the unquantized checkpoint")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(f"export: output {out} already exists and is not empty; remove it or pick another -o")
-    out.parent.mkdir(parents=True, exist_ok=True)
 
     sd, summary = _convert(model_dir, format, pow2_scale)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    tmp = fs.new_temp_dir(out)
     try:
         save_torch_state_dict(sd, tmp, max_shard_size=max_shard_size)
         del sd
         _write_config(model_dir, tmp, format, summary, pow2_scale)
         for name in _TOKENIZER_FILES:
             if (model_dir / name).is_file():
-                shutil.copy2(model_dir / name, tmp / name)
-        if out.exists():
-            out.rmdir()  # empty (checked above); rename cannot replace a directory
-        os.replace(tmp, out)
+                shutil.copyfile(model_dir / name, tmp / name)  # contents only: the umask's permissions
+        fs.commit(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def export_hf(model: nn.Module, out_dir: str | os.PathLike, tokenizer=None, dtype: torch.dtype = torch.bfloat16,
+              *, overwrite: bool = False) -> Path | None:
+    """Write `model` as a Hugging Face directory in `dtype` (safetensors, config, tokenizer), atomically.
+
+    A model with its Linears swapped for FP8 subclasses exports exactly like the original: only the
+    shared parameters are written. An FSDP2-sharded model is gathered to rank 0 first: every rank calls
+    this, rank 0 writes and returns the path, the others return None. An existing non-empty `out_dir`
+    is replaced only with `overwrite`.
+    """
+    from .train.distributed import all_ranks_ok, gather_full_state_dict, get_rank, is_sharded_model
+
+    out_dir = Path(out_dir)
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())) and not overwrite:
+        raise FileExistsError(f"{out_dir} exists and is not empty; pass overwrite=True to replace it")
+    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+    if is_sharded_model(model):
+        full = gather_full_state_dict(model)  # collective: every rank takes part; CPU tensors on rank 0
+        written = []
+
+        def write():
+            if get_rank() == 0:
+                from transformers import AutoModelForCausalLM
+
+                with torch.device("meta"):
+                    plain = AutoModelForCausalLM.from_config(model.config, dtype=torch.float32)
+                plain.load_state_dict(full, assign=True)
+                plain.tie_weights()
+                written.append(export_hf(plain, out_dir, tokenizer, dtype, overwrite=overwrite))
+
+        all_ranks_ok(write, f"exporting {out_dir}")
+        return written[0] if written else None
+    tmp = fs.new_temp_dir(out_dir)
+    try:
+        params = model.state_dict(keep_vars=True)
+        cast: dict[int, torch.Tensor] = {}  # cast each tensor once so that tied aliases stay one storage
+        for t in params.values():
+            if id(t) not in cast:
+                cast[id(t)] = t.detach().to(dtype) if t.is_floating_point() else t.detach()
+        save_model_dir(model, tmp, tokenizer, state_dict={name: cast[id(t)] for name, t in params.items()})
+        config = copy.deepcopy(model.config)
+        config.dtype = dtype  # save_pretrained records the in-memory (FP32) dtype
+        config.use_cache = True  # training turns the KV cache off; generation from the export wants it
+        config.save_pretrained(tmp)
+        fs.commit(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
 
 
 def _run_cli(args: argparse.Namespace) -> int:

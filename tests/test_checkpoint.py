@@ -3,6 +3,7 @@ import json
 import os
 import random
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,15 +12,16 @@ from safetensors.torch import load_file
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from fp8train.train import checkpoint as ckpt_mod
+from fp8train.export import export_hf
+from fp8train.train import files as fs
 from fp8train.train.checkpoint import (
     CorruptCheckpointError,
     capture_rng_state,
-    export_hf,
     find_latest_checkpoint,
     load_checkpoint,
     restore_rng_state,
     save_checkpoint,
+    verify_checkpoint,
 )
 from fp8train.train.optim import OptimConfig, build_optimizer, build_scheduler, clip_grad_norm
 
@@ -243,9 +245,9 @@ def test_garbled_manifest_refused(saved):
     (second / "manifest.json").write_text('{"files": ')
     with pytest.raises(CorruptCheckpointError, match="manifest.json is unreadable"):
         _load_into_fresh(second)
-    (second / "manifest.json").write_text(json.dumps({"format": "fp8train-checkpoint", "version": 1,
-                                                      "files": {"optimizer.pt": {"size": 1, "sha256": ""}}}))
-    with pytest.raises(CorruptCheckpointError, match="does not list train_state.pt"):
+    (second / "manifest.json").write_text(json.dumps({"format": "fp8train-checkpoint", "version": 1, "step": 2,
+                                                      "files": {"optimizer.pt": {"size": 1, "sha256": "0" * 64}}}))
+    with pytest.raises(CorruptCheckpointError, match="does not list model/config.json"):
         _load_into_fresh(second)
 
 
@@ -265,22 +267,22 @@ def test_leftover_temp_dir_ignored_then_cleaned(saved):
 def test_model_mismatch_names_keys(saved, tmp_path_factory):
     _, _, second = saved
     deeper, opt, sched = _setup(layers=3)
-    with pytest.raises(RuntimeError, match=r"missing keys \['model.layers.2.input_layernorm.weight'"):
+    with pytest.raises(ValueError, match=r"missing keys \['model.layers.2.input_layernorm.weight'"):
         load_checkpoint(second, model=deeper)
     root = tmp_path_factory.mktemp("deep")
     path = save_checkpoint(root, 0, model=deeper, optimizer=opt, scheduler=sched, train_state={})
-    with pytest.raises(RuntimeError, match=r"unexpected keys \['model.layers.2.input_layernorm.weight'"):
+    with pytest.raises(ValueError, match=r"unexpected keys \['model.layers.2.input_layernorm.weight'"):
         load_checkpoint(path, model=_model())
 
 
 def test_tied_untied_mismatch(tmp_path):
     untied, opt, sched = _setup(tied=False)
     path = save_checkpoint(tmp_path / "u", 0, model=untied, optimizer=opt, scheduler=sched, train_state={})
-    with pytest.raises(RuntimeError, match=r"different values for 'model.embed_tokens.weight' and 'lm_head"):
+    with pytest.raises(ValueError, match=r"different values for 'model.embed_tokens.weight' and 'lm_head"):
         load_checkpoint(path, model=_model(tied=True))
     tied, opt, sched = _setup(tied=True)
     path = save_checkpoint(tmp_path / "t", 0, model=tied, optimizer=opt, scheduler=sched, train_state={})
-    with pytest.raises(RuntimeError, match=r"missing keys \['lm_head.weight'\]"):
+    with pytest.raises(ValueError, match=r"missing keys \['lm_head.weight'\]"):
         load_checkpoint(path, model=_model(tied=False))
 
 
@@ -383,7 +385,7 @@ def test_export_overwrite_and_crash(tmp_path, monkeypatch):
     before = (out / "model.safetensors").read_bytes()
     with pytest.raises(FileExistsError, match="overwrite=True"):
         export_hf(model, out)
-    monkeypatch.setattr(ckpt_mod, "_sync_tree", lambda *a, **k: (_ for _ in ()).throw(OSError("simulated crash")))
+    monkeypatch.setattr(fs, "sync_tree", lambda *a, **k: (_ for _ in ()).throw(OSError("simulated crash")))
     with pytest.raises(OSError, match="simulated crash"):
         export_hf(_model(seed=1), out, overwrite=True)
     monkeypatch.undo()
@@ -392,3 +394,176 @@ def test_export_overwrite_and_crash(tmp_path, monkeypatch):
     export_hf(_model(seed=1), out, overwrite=True)
     assert (out / "model.safetensors").read_bytes() != before
     assert [p.name for p in tmp_path.iterdir()] == ["export"]
+
+
+# ------------------------------------------------------------------------------- untrusted checkpoints
+
+
+class _RunsCode:
+    """What an attacker pickles: unpickling it calls os.system (here: creates a marker file)."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _forge(ckpt, rel, data: bytes):
+    """Replace one file of a checkpoint and make its manifest agree: the attacker controls every file."""
+    import hashlib
+
+    (ckpt / rel).write_bytes(data)
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    entry = manifest["files"][rel]
+    if isinstance(entry, dict):
+        entry.update(size=len(data), sha256=hashlib.sha256(data).hexdigest())
+    else:
+        manifest["files"][rel] = len(data)
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.fixture(scope="module")
+def sharded_ckpt(tmp_path_factory):
+    """A kind "sharded" checkpoint: a tiny Qwen2 under FSDP2 in a 1-rank gloo group, one step trained."""
+    import torch.distributed as dist
+
+    from fp8train.train.distributed import DistributedConfig, World, apply_fsdp
+
+    root = tmp_path_factory.mktemp("sharded")
+    dist.init_process_group("gloo", store=dist.FileStore(str(root / "store"), 1), rank=0, world_size=1)
+    try:
+        model = _model()
+        apply_fsdp(model, DistributedConfig(), World())
+        cfg = OptimConfig(lr=1e-2, min_lr=1e-3, schedule="wsd", warmup_steps=2, decay_steps=3)
+        opt = build_optimizer(model, cfg)
+        sched = build_scheduler(opt, cfg, total_steps=10)
+        _step(model, opt, sched)
+        path = save_checkpoint(root / "ckpts", 1, model=model, optimizer=opt, scheduler=sched,
+                               train_state={"step": 1}, config={"seed": 0})
+    finally:
+        dist.destroy_process_group()
+    return path
+
+
+@pytest.fixture
+def sharded_copy(sharded_ckpt, tmp_path):
+    return Path(shutil.copytree(sharded_ckpt, tmp_path / sharded_ckpt.name))
+
+
+def _one_line_naming(error, name: str) -> str:
+    message = str(error.value)
+    assert "\n" not in message and name in message, message
+    return message
+
+
+def test_sharded_checkpoint_layout_and_plain_load(sharded_ckpt):
+    manifest = json.loads((sharded_ckpt / "manifest.json").read_text())
+    assert (manifest["format"], manifest["version"], manifest["kind"], manifest["step"]) == \
+        ("fp8train-checkpoint", 2, "sharded", 1)
+    assert {"dcp/.metadata", "train_state.pt", "config.yaml"} <= set(manifest["files"])
+    assert all(len(e["sha256"]) == 64 for e in manifest["files"].values())
+    umask = os.umask(0)
+    os.umask(umask)
+    for p in [sharded_ckpt, *sharded_ckpt.rglob("*")]:  # the umask's modes (not mkdtemp's 0700)
+        assert p.stat().st_mode & 0o777 == (0o777 if p.is_dir() else 0o666) & ~umask, p
+    ckpt = verify_checkpoint(sharded_ckpt)
+    assert ckpt.kind == "sharded" and (sharded_ckpt / "config.yaml").read_text() == "seed: 0\n"
+    model, opt, sched = _setup(seed=7)  # no process group: DCP reshards to one plain process
+    assert load_checkpoint(sharded_ckpt, model=model, optimizer=opt, scheduler=sched) == {"step": 1}
+    assert sched.last_epoch == 1 and opt.state
+
+
+@pytest.mark.parametrize("protocol", [0, 4])
+def test_forged_sharded_metadata_runs_no_code(sharded_copy, tmp_path, protocol):
+    """issue 17: DCP unpickles .metadata; a forger who also rewrites the manifest must not run code."""
+    import pickle
+
+    marker = tmp_path / "pwned"
+    _forge(sharded_copy, "dcp/.metadata", pickle.dumps(_RunsCode(marker), protocol=protocol))
+    model, opt, sched = _setup(seed=7)
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(CorruptCheckpointError) as error:
+        load_checkpoint(sharded_copy, model=model, optimizer=opt, scheduler=sched)
+    assert not marker.exists()  # nothing from the file ran
+    assert "posix.system" in _one_line_naming(error, "dcp/.metadata")
+    _assert_state_equal(model.state_dict(), before, "model")
+
+
+def test_forged_sharded_metadata_fields_are_checked(sharded_copy):
+    """Metadata made only of DCP's own classes may still point DCP at other files or byte ranges."""
+    import pickle
+
+    md = pickle.loads((sharded_copy / "dcp" / ".metadata").read_bytes())  # the test's own file: trusted
+    info = next(iter(md.storage_data.values()))
+    info.relative_path = "../../train_state.pt"
+    _forge(sharded_copy, "dcp/.metadata", pickle.dumps(md))
+    with pytest.raises(CorruptCheckpointError, match="which the manifest does not list under dcp/") as error:
+        load_checkpoint(sharded_copy, model=_model(seed=7))
+    _one_line_naming(error, "dcp/.metadata")
+    info.relative_path, info.length = "__0_0.distcp", 1 << 40
+    _forge(sharded_copy, "dcp/.metadata", pickle.dumps(md))
+    with pytest.raises(CorruptCheckpointError, match="byte range outside"):
+        load_checkpoint(sharded_copy, model=_model(seed=7))
+
+
+@pytest.mark.parametrize("victim", ["train_state.pt", "optimizer.pt"])
+def test_forged_pt_file_runs_no_code(saved, tmp_path, victim):
+    _, _, second = saved
+    marker = tmp_path / "pwned"
+    import pickle
+
+    _forge(second, victim, pickle.dumps(_RunsCode(marker)))
+    with pytest.raises(CorruptCheckpointError, match=r"weights_only=True") as error:
+        _load_into_fresh(second)
+    assert not marker.exists()
+    _one_line_naming(error, victim)
+
+
+def test_sharded_flipped_byte_unlisted_file_and_link_refused(sharded_copy):
+    shard = next(p for p in (sharded_copy / "dcp").iterdir() if p.suffix == ".distcp")
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CorruptCheckpointError, match=r"has sha256 [0-9a-f]{64}, manifest.json says") as error:
+        load_checkpoint(sharded_copy, model=_model(seed=7))
+    _one_line_naming(error, shard.name)
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    verify_checkpoint(sharded_copy)  # intact again
+    (sharded_copy / "dcp" / "__1.metadata").write_bytes(b"planted")
+    with pytest.raises(CorruptCheckpointError, match=r"__1.metadata is not listed in manifest.json"):
+        verify_checkpoint(sharded_copy)
+    (sharded_copy / "dcp" / "__1.metadata").unlink()
+    shard.rename(shard.with_suffix(".bak"))
+    shard.symlink_to(shard.with_suffix(".bak").name)
+    with pytest.raises(CorruptCheckpointError, match="is a symbolic link"):
+        verify_checkpoint(sharded_copy)
+
+
+def test_checkpoint_of_an_earlier_sharded_format_refused(sharded_copy):
+    (sharded_copy / "manifest.json").write_text(json.dumps({"format": "fp8train-sharded-checkpoint", "version": 1,
+                                                            "files": {}}))
+    with pytest.raises(CorruptCheckpointError, match="recorded no checksums"):
+        verify_checkpoint(sharded_copy)
+
+
+def test_train_resume_from_a_forged_checkpoint_runs_no_code(sharded_copy, tmp_path, capsys):
+    """The attack of issue 17 through the CLI: `fp8train train ... resume=evil/step_...` exits 2 with one line."""
+    import pickle
+
+    from fp8train.cli import main
+    from test_trainer import TINY_CONFIG, make_byte_tokenizer, tiny_overrides, write_corpus
+
+    marker = tmp_path / "pwned"
+    _forge(sharded_copy, "dcp/.metadata", pickle.dumps(_RunsCode(marker)))
+    tokenizer = make_byte_tokenizer(tmp_path / "tok")
+    corpus = write_corpus(tmp_path / "corpus.jsonl", n_docs=40)
+    overrides = tiny_overrides(tmp_path / "w", tokenizer, corpus, resume=sharded_copy)
+    capsys.readouterr()
+    assert main(["train", "--no-progress", str(TINY_CONFIG), *overrides]) == 2
+    err = capsys.readouterr().err
+    assert not marker.exists()
+    error = err.splitlines()[-1]  # before it: the tokenizer's progress bar
+    assert error.startswith("fp8train train: error: ") and "dcp/.metadata is not DCP checkpoint metadata" in error
+    assert "Traceback" not in err

@@ -1,5 +1,5 @@
 """fp8train.train.distributed on CPU with gloo: FSDP2 at world size 2 against world size 1, FP8 all-gather,
-sharded checkpoints across world sizes, and a rank failing mid-save.
+checkpoints of both kinds moving between world sizes, and a rank failing mid-save.
 
 The multi-process scenarios run once, in forked worker processes (fork: no second import of torch and
 transformers), and leave their results in files; each test asserts on one part of them. The model is a
@@ -22,12 +22,12 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from fp8train import Fp8Format, convert_to_fp8, make_recipe, quantize
 from fp8train.fp8 import ops as fp8_ops
 from fp8train.fp8.fsdp import _Fp8GatheredWeight, _Fp8ShardedWeight, fp8_gather_blocker, unwrap
-from fp8train.train.distributed import (DistributedConfig, ParallelInfo, all_reduce_sum, apply_fsdp, destroy,
-                                  gather_full_state_dict, init_distributed, is_sharded_checkpoint, load_sharded,
-                                  save_sharded)
+from fp8train.train.checkpoint import load_checkpoint, save_checkpoint, verify_checkpoint
+from fp8train.train.distributed import (DistributedConfig, World, all_reduce_sum, apply_fsdp, destroy,
+                                        gather_full_state_dict, init_distributed)
 
 VOCAB, SEQ, GLOBAL_BATCH, STEPS, LR = 512, 64, 4, 4, 3e-3
-CPU1 = ParallelInfo(0, 0, 1, torch.device("cpu"))
+CPU1 = World()
 # name: (recipe, fp8_param_gather, activation checkpointing + torch.compile per layer)
 RUNS = {"hybrid": ("hybrid", False, False), "hybrid_fp8_gather": ("hybrid", True, False),
         "bf16": ("bf16", False, False), "hybrid_fp8_gather_ac_compile": ("hybrid", True, True)}
@@ -76,7 +76,7 @@ def _batches(steps: int = STEPS) -> list[torch.Tensor]:
     return out
 
 
-def _train(model, optimizer, info: ParallelInfo, batches, probe: dict | None = None) -> list[float]:
+def _train(model, optimizer, info: World, batches, probe: dict | None = None) -> list[float]:
     """The trainer's step: this rank's contiguous slice of the global batch, loss = token-loss sum /
     global token count, backpropagated x world size (FSDP averages gradients over ranks). `probe` gets
     the first step's gradients (full tensors) and the dtypes of the (sharded) gradients."""
@@ -191,20 +191,42 @@ def _sharded_mismatches(model, optimizer, expected: dict, info) -> list[str]:
     return bad
 
 
-def _scenario_checkpoint(info, out_dir) -> dict:
-    model = _model("hybrid", seed=7)  # different init: everything must come from the checkpoint
-    apply_fsdp(model, DistributedConfig(fp8_param_gather=True), info)
-    optimizer = _optimizer(model)
-    extra = load_sharded(out_dir / "ckpt_ws1", model, optimizer)
-    mismatches = _sharded_mismatches(model, optimizer, torch.load(out_dir / "ckpt_ws1_expected.pt"), info)
-    losses = _train(model, optimizer, info, _batches(3)[2:])  # the third step, continuing the 1-rank run
-    save_sharded(out_dir / "ckpt_ws2", model, optimizer, {"step": extra["step"] + 1})
-    full = {"model": gather_full_state_dict(model),
+def _full_state(model, optimizer) -> dict:
+    """Full model and optimizer state (rank 0 gets the tensors), the reference a reload must reproduce."""
+    return {"model": gather_full_state_dict(model),
             "optim": get_optimizer_state_dict(model, optimizer,
-                                               options=StateDictOptions(full_state_dict=True, cpu_offload=True))}
+                                              options=StateDictOptions(full_state_dict=True, cpu_offload=True))}
+
+
+def _scenario_save_ws1(info, out_dir) -> dict:
+    """FSDP2 at world size 1: 2 steps, then a kind "sharded" checkpoint for the 2-rank job to reshard."""
+    model = _model("hybrid")
+    apply_fsdp(model, DistributedConfig(), info)
+    optimizer = _optimizer(model)
+    _train(model, optimizer, info, _batches(2))
+    path = save_checkpoint(out_dir / "sharded_ws1", 2, model=model, optimizer=optimizer, train_state={"step": 2})
+    torch.save(_full_state(model, optimizer), out_dir / "sharded_ws1_expected.pt")
+    return {"kind": verify_checkpoint(path).kind}
+
+
+def _scenario_checkpoint(info, out_dir) -> dict:
+    res = {}
+    # a single-process checkpoint (read whole, each rank keeps its shards) and a sharded one of world size 1
+    # (DCP reshards); different inits: everything must come from the checkpoint
+    for name, path in (("single", out_dir / "single" / "step_00000002"),
+                       ("sharded_ws1", out_dir / "sharded_ws1" / "step_00000002")):
+        model = _model("hybrid", seed=7)
+        apply_fsdp(model, DistributedConfig(fp8_param_gather=True), info)
+        optimizer = _optimizer(model)
+        state = load_checkpoint(path, model=model, optimizer=optimizer)
+        expected = torch.load(out_dir / f"{name}_expected.pt")
+        res[name] = {"state": state, "mismatches": _sharded_mismatches(model, optimizer, expected, info)}
+    losses = _train(model, optimizer, info, _batches(3)[2:])  # the third step, continuing the 2-step run
+    save_checkpoint(out_dir / "sharded_ws2", 3, model=model, optimizer=optimizer, train_state={"step": 3})
+    full = _full_state(model, optimizer)
     if info.rank == 0:
-        torch.save(full, out_dir / "ckpt_ws2_expected.pt")
-    return {"extra": extra, "mismatches": mismatches, "resumed_loss": losses[0]}
+        torch.save(full, out_dir / "sharded_ws2_expected.pt")
+    return {**res, "resumed_loss": losses[0]}
 
 
 def _scenario_failed_save(info, out_dir) -> dict:
@@ -219,13 +241,14 @@ def _scenario_failed_save(info, out_dir) -> dict:
             raise OSError("injected failure on rank 1")
         FileSystemWriter.write_data = fail
     try:
-        save_sharded(out_dir / "ckpt_fail", model, optimizer, {"step": 1})
+        save_checkpoint(out_dir / "fail", 1, model=model, optimizer=optimizer)
         return {"error": None}
     except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
         return {"error": f"{type(e).__name__}: {e}"}
 
 
 _SCENARIOS = {"losses": _scenario_losses, "checkpoint": _scenario_checkpoint, "failed_save": _scenario_failed_save,
+              "save_ws1": _scenario_save_ws1,
               # at world size 1 there is nothing to all-gather: FP8 gather falls back to BF16 (tested in ws 2)
               "losses_ws1": lambda info, out_dir: _scenario_losses(info, out_dir, ("hybrid", "bf16"))}
 
@@ -262,16 +285,17 @@ def runs(tmp_path_factory):
         single_grads[recipe] = probe["grads"]
     for name, (recipe, *_) in RUNS.items():  # the runs' single-process reference is their recipe's
         single[name], single_grads[name] = single[recipe], single_grads[recipe]
-    # A 2-step run saved at world size 1 (no process group), for the 2-rank job to resume.
+    # A 2-step run saved by a plain single process (kind "single"), for the 2-rank job to resume.
     model = _model("hybrid")
     optimizer = _optimizer(model)
     _train(model, optimizer, CPU1, _batches(2))
-    save_sharded(out / "ckpt_ws1", model, optimizer, {"step": 2})
+    save_checkpoint(out / "single", 2, model=model, optimizer=optimizer, train_state={"step": 2})
     torch.save({"model": {k: v.clone() for k, v in model.state_dict().items()},
-                "optim": get_optimizer_state_dict(model, optimizer)}, out / "ckpt_ws1_expected.pt")
+                "optim": get_optimizer_state_dict(model, optimizer)}, out / "single_expected.pt")
+    # 1 rank with a process group: FSDP2 at world size 1 (nothing to gather, so no FP8-gather runs), and a
+    # sharded checkpoint of world size 1 for the 2-rank job
+    ws1 = _launch(1, ["losses_ws1", "save_ws1"], out)
     ws2 = _launch(2, ["losses", "checkpoint", "failed_save"], out)
-    # 1 rank with a process group: FSDP2 at world size 1 (nothing to gather, so no FP8-gather runs)
-    ws1 = _launch(1, ["losses_ws1"], out)
     return {"dir": out, "single": single, "single_grads": single_grads, "ws1": ws1[0], "ws2": ws2}
 
 
@@ -365,10 +389,12 @@ def test_fp8_gathered_blocks_equal_single_process_quantization(runs):
                          "no_copy": True}, fqn
 
 
-def test_resume_at_2_ranks_from_1_rank_checkpoint(runs):
+@pytest.mark.parametrize("kind", ["single", "sharded_ws1"])
+def test_resume_at_2_ranks_from_1_rank_checkpoint(runs, kind):
+    assert runs["ws1"]["save_ws1"]["kind"] == "sharded"
     for rank in (0, 1):
-        res = runs["ws2"][rank]["checkpoint"]
-        assert res["extra"] == {"step": 2}
+        res = runs["ws2"][rank]["checkpoint"][kind]
+        assert res["state"] == {"step": 2}
         assert res["mismatches"] == [], res["mismatches"]
     # the third step after resuming matches the uninterrupted single-process run's third step
     resumed = runs["ws2"][0]["checkpoint"]["resumed_loss"]
@@ -377,12 +403,14 @@ def test_resume_at_2_ranks_from_1_rank_checkpoint(runs):
 
 
 def test_resume_at_1_rank_from_2_rank_checkpoint(runs):
-    out = runs["dir"]
-    assert is_sharded_checkpoint(out / "ckpt_ws2")
+    path = runs["dir"] / "sharded_ws2" / "step_00000003"
+    ckpt = verify_checkpoint(path)
+    assert (ckpt.kind, ckpt.world_size, ckpt.step) == ("sharded", 2, 3)
+    assert sorted(p.name for p in (path / "dcp").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
     model = _model("hybrid", seed=11)
     optimizer = _optimizer(model)
-    assert load_sharded(out / "ckpt_ws2", model, optimizer) == {"step": 3}
-    expected = torch.load(out / "ckpt_ws2_expected.pt")
+    assert load_checkpoint(ckpt, model=model, optimizer=optimizer) == {"step": 3}
+    expected = torch.load(runs["dir"] / "sharded_ws2_expected.pt")
     # gather_full_state_dict keeps tied weights one tensor (torch.save kept the sharing)
     assert expected["model"]["lm_head.weight"].data_ptr() == expected["model"]["model.embed_tokens.weight"].data_ptr()
     state = model.state_dict()
@@ -398,18 +426,13 @@ def test_resume_at_1_rank_from_2_rank_checkpoint(runs):
 
 
 def test_rank_failing_mid_save_leaves_no_checkpoint(runs):
-    out = runs["dir"]
+    root = runs["dir"] / "fail"
     errors = [runs["ws2"][r]["failed_save"]["error"] for r in (0, 1)]
     assert all(e is not None for e in errors), errors  # every rank raised (none hangs, none thinks it saved)
     assert "injected failure on rank 1" in errors[1]
-    assert not (out / "ckpt_fail").exists()
+    assert sorted(p.name for p in root.iterdir()) == []  # no checkpoint, no temp directory
     with pytest.raises(FileNotFoundError):
-        load_sharded(out / "ckpt_fail", _model("bf16"))
-    leftover = out / ".tmp_ckpt_fail.sharded"  # rank 0's shards may be there, but no manifest
-    assert not is_sharded_checkpoint(leftover)
-    if leftover.exists():
-        with pytest.raises(RuntimeError, match="incomplete"):
-            load_sharded(leftover, _model("bf16"))
+        load_checkpoint(root / "step_00000001", model=_model("bf16"))
 
 
 def test_fp8_gather_eligibility():
@@ -474,15 +497,6 @@ def test_single_process_is_unchanged():
         all_reduce_sum("3")
     with pytest.raises(ValueError, match="distributed.backend"):
         init_distributed(DistributedConfig(backend="mpi"))
-
-
-def test_save_refuses_extra_state_that_would_not_load(tmp_path):
-    model = _model("bf16")
-    with pytest.raises(TypeError, match="extra_state must hold only plain"):
-        save_sharded(tmp_path / "ckpt", model, None, {"step": 1, "bad": object()})
-    assert not (tmp_path / "ckpt").exists() and not (tmp_path / ".tmp_ckpt.sharded").exists()
-    save_sharded(tmp_path / "ckpt", model, None, {"step": 1})
-    assert load_sharded(tmp_path / "ckpt", _model("bf16", seed=3)) == {"step": 1}
 
 
 def test_partial_torchrun_environment_is_an_error(monkeypatch):

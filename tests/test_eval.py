@@ -70,9 +70,13 @@ def test_eval_multiple_choice_end_to_end(tiny_model, tmp_path):
     items = [{"Question": "Which is a prime?", "Correct Answer": "7", "W1": "8", "W2": "9", "W3": "10"},
              {"Question": "Which is even?", "Correct Answer": "4", "W1": "5", "W2": "7", "W3": "9"}]
     data.write_text("".join(json.dumps(x) + "\n" for x in items))
-    ckpt = tmp_path / "step_00000100"  # a training checkpoint: the model under model/ is evaluated
-    ckpt.mkdir()
-    (ckpt / "model").symlink_to(tiny_model, target_is_directory=True)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from fp8train.train.checkpoint import save_checkpoint
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)  # a training checkpoint: the model under model/
+    ckpt = save_checkpoint(tmp_path / "ckpts", 100, model=model, optimizer=torch.optim.AdamW(model.parameters()),
+                           tokenizer=AutoTokenizer.from_pretrained(tiny_model))
     cfg = EvalConfig(model=str(ckpt), data=str(data), task="mc", greedy=True, max_new_tokens=3,
                      question_field="Question", answer_field="Correct Answer",
                      choices_field=("Correct Answer", "W1", "W2", "W3"), out=str(tmp_path / "o"))

@@ -211,12 +211,15 @@ def test_unaligned_projection_group_stays_bf16(tmp_path):
         assert torch.equal(model.model.layers[0].mlp.down_proj.weight, t["model.layers.0.mlp.down_proj.weight"])
 
 
+def _training_checkpoint(exports, root):
+    from fp8train.train.checkpoint import save_checkpoint
+
+    model = exports["model"]
+    return save_checkpoint(root, 10, model=model, optimizer=torch.optim.AdamW(model.parameters()))
+
+
 def test_training_checkpoint_dir_and_cli(exports, tmp_path):
-    ckpt = tmp_path / "step_00000010"
-    (ckpt / "model").mkdir(parents=True)
-    for f in exports["src"].iterdir():
-        (ckpt / "model" / f.name).write_bytes(f.read_bytes())
-    (ckpt / "optimizer.pt").write_bytes(b"not a model file")
+    ckpt = _training_checkpoint(exports, tmp_path / "ckpts")
     parser = argparse.ArgumentParser()
     add_cli(parser.add_subparsers())
     args = parser.parse_args(["export", str(ckpt), "--format", "fp8-block", "-o", str(tmp_path / "o"), "--pow2-scale"])
@@ -226,6 +229,57 @@ def test_training_checkpoint_dir_and_cli(exports, tmp_path):
     assert not (tmp_path / "o" / "optimizer.pt").exists()
     assert parser.parse_args(["export", str(ckpt), "-o", "x"]).pow2_scale is False
     assert parser.parse_args(["export", str(ckpt), "-o", "x", "--no-pow2-scale"]).pow2_scale is False
+
+
+def _flip_a_weight_byte(ckpt):
+    f = ckpt / "model" / "model.safetensors"
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    f.write_bytes(bytes(data))
+
+
+def test_export_and_eval_refuse_a_corrupted_checkpoint(exports, tmp_path, capsys):
+    """issue 17: export (and eval) of a checkpoint verify it as resume does, and write nothing on refusal."""
+    from fp8train.cli import main
+    from fp8train.eval import EvalConfig, run_eval
+    from fp8train.train.checkpoint import CorruptCheckpointError
+
+    ckpt = _training_checkpoint(exports, tmp_path / "ckpts")
+    _flip_a_weight_byte(ckpt)
+    out = tmp_path / "new" / "out"
+    with pytest.raises(CorruptCheckpointError, match=r"model/model.safetensors has sha256 [0-9a-f]{64}, manifest"):
+        export_checkpoint(ckpt, out)
+    capsys.readouterr()
+    assert main(["export", str(ckpt), "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "model.safetensors has sha256" in err and "Traceback" not in err
+    assert not (tmp_path / "new").exists()  # no output directory, not even its parent
+    data = tmp_path / "problems.jsonl"
+    data.write_text('{"question": "1 + 1?", "answer": "2"}\n')
+    with pytest.raises(CorruptCheckpointError, match=r"model.safetensors has sha256"):
+        run_eval(EvalConfig(model=str(ckpt), data=str(data), backend="hf", out=str(tmp_path / "eval")))
+    assert not (tmp_path / "eval").exists()
+    (ckpt / "manifest.json").unlink()  # a checkpoint directory without its manifest is incomplete
+    with pytest.raises(CorruptCheckpointError, match="manifest.json is missing"):
+        export_checkpoint(ckpt, out)
+
+
+def test_outputs_follow_the_umask(exports, tmp_path):
+    """issue 17: checkpoints and exports are readable by others under the usual umask (not mkdtemp's 0700)."""
+    import os
+
+    from fp8train.export import export_hf
+
+    old = os.umask(0o022)
+    try:
+        written = [_training_checkpoint(exports, tmp_path / "ckpts"), export_checkpoint(exports["src"], tmp_path / "e"),
+                   export_hf(exports["model"], tmp_path / "hf")]
+    finally:
+        os.umask(old)
+    for root in written:
+        for p in [root, *root.rglob("*")]:
+            mode = p.stat().st_mode & 0o777
+            assert mode == (0o755 if p.is_dir() else 0o644), (p, oct(mode))
 
 
 def test_bad_input_and_atomic_write(exports, tmp_path, monkeypatch):

@@ -1,5 +1,7 @@
 """Exact resume: an interrupted run, resumed from its last checkpoint, reproduces the uninterrupted
-run's per-step losses bit for bit on the CPU, also after `kill -9` of the CLI process."""
+run's per-step losses bit for bit on the CPU, also after `kill -9` of the CLI process (between saves,
+inside a save, and just before a save's rename). Resume refuses to continue a run with a config that
+changes its trajectory, and a refused command changes no file of the run."""
 
 from __future__ import annotations
 
@@ -8,13 +10,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
+from fp8train.cli import main
 from fp8train.train.checkpoint import find_latest_checkpoint
-from fp8train.train.config import load_config
+from fp8train.train.config import ConfigError, config_to_dict, load_config
 from fp8train.train.trainer import Trainer
 from test_trainer import TINY_CONFIG, byte_tokenizer, corpus, one_thread, tiny_config, tiny_overrides  # noqa: F401
 
@@ -67,39 +69,140 @@ def test_resume_after_interruption_is_bit_exact(tmp_path, byte_tokenizer, corpus
     assert _records(tmp_path / "cut" / "run") == _records(tmp_path / "full" / "run")  # replayed steps 4-5 once
 
 
-def test_kill_9_of_cli_mid_run_then_resume_is_bit_exact(tmp_path, byte_tokenizer, corpus):
-    extra = {"recipe": "hybrid", "train.steps": 12, "train.save_every": 3, "train.eval_every": 6}
+# Runs `fp8train train ARGS...` and kills itself (SIGKILL) at a point: after step N, inside the save that
+# writes a file (after torch.save wrote it), or inside a save with everything written, manifest
+# included, just before the rename into place.
+_KILLER = r"""
+import os, signal, sys
+point, arg = sys.argv[1], sys.argv[2]
+def die():
+    os.kill(os.getpid(), signal.SIGKILL)
+if point == "after_step":
+    from fp8train.train.trainer import Trainer
+    original = Trainer._after_step
+    def after_step(self, step, *a):
+        original(self, step, *a)
+        if step == int(arg):
+            die()
+    Trainer._after_step = after_step
+elif point == "writing":
+    import torch
+    real_save = torch.save
+    def save(obj, f, *a, **k):
+        real_save(obj, f, *a, **k)
+        if str(f).endswith(arg):
+            die()
+    torch.save = save
+elif point == "renaming":
+    real_replace = os.replace
+    def replace(src, dst, **k):
+        if os.path.basename(str(dst)) == arg:
+            die()
+        real_replace(src, dst, **k)
+    os.replace = replace
+from fp8train.cli import main
+sys.exit(main(sys.argv[3:]))
+"""
+
+
+def test_kill_9_between_and_inside_saves_then_resume_is_bit_exact(tmp_path, byte_tokenizer, corpus):
+    extra = {"recipe": "hybrid", "train.steps": 10, "train.save_every": 2, "train.eval_every": 5}
     reference = Trainer(tiny_config(tmp_path / "ref", byte_tokenizer, corpus, **extra), progress=False).fit()
 
     run_dir = tmp_path / "cli" / "run"
-    cmd = [sys.executable, "-m", "fp8train", "train", "--no-progress", str(TINY_CONFIG),
-           *tiny_overrides(tmp_path / "cli", byte_tokenizer, corpus, **extra)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # the same thread count as this process: same BF16 sums
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 120
-    try:
-        while time.monotonic() < deadline and proc.poll() is None:
-            if _logged_steps(run_dir) >= 7:
-                break
-            time.sleep(0.02)
-        assert proc.poll() is None, f"the run ended before it could be killed: {proc.stderr.read().decode()[-2000:]}"
-        os.kill(proc.pid, signal.SIGKILL)
-    finally:
-        proc.kill()
-        proc.wait()
-    assert proc.returncode == -signal.SIGKILL
-    assert not (run_dir / "final").exists()
-    killed_at = max(_records(run_dir))
-    assert 7 <= killed_at < 12
+    ckpts = run_dir / "checkpoints"
+    args = ["train", "--no-progress", str(TINY_CONFIG), *tiny_overrides(tmp_path / "cli", byte_tokenizer, corpus, **extra)]
+    # the same thread count as this process: the same BF16 sums
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent.parent)}
 
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    def run(*point):
+        cmd = [sys.executable, "-c", _KILLER, *(point or ("none", "-")), *args]
+        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+
+    for point, latest in ((("after_step", "3"), "step_00000002"),  # between saves
+                          (("writing", ".tmp_step_00000006/optimizer.pt"), "step_00000004"),  # a torn save
+                          (("renaming", "step_00000008"), "step_00000006")):  # complete but not in place
+        done = run(*point)
+        assert done.returncode == -signal.SIGKILL, done.stderr[-3000:]
+        assert find_latest_checkpoint(ckpts).name == latest, point
+        assert not (run_dir / "final").exists()
+    assert any(p.name.startswith(".tmp_step_00000008") for p in ckpts.iterdir())  # what the last kill left
+
+    done = run()
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "resumed from" in done.stderr + done.stdout
+    assert "resumed from" in done.stdout and "step_00000006" in done.stdout
     records = _records(run_dir)
-    assert sorted(records) == list(range(1, 13))
+    assert sorted(records) == list(range(1, 11))
     assert {s: r["loss"] for s, r in records.items()} == reference.losses  # bit for bit
-    assert records[12]["val_loss"] == reference.val_loss
+    assert records[10]["val_loss"] == reference.val_loss
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_00000008", "step_00000010"]  # no leftovers
     assert (run_dir / "final" / "config.json").is_file()
+
+
+def _snapshot(run_dir: Path) -> dict:
+    """Every file of the run: its bytes and modification time."""
+    return {p.relative_to(run_dir).as_posix(): (p.read_bytes(), p.stat().st_mtime_ns)
+            for p in sorted(run_dir.rglob("*")) if p.is_file()}
+
+
+_SHORT = {"recipe": "bf16", "train.steps": 2, "train.save_every": 0, "optim.warmup_steps": 1, "optim.decay_steps": 1,
+          "train.eval_every": 0, "train.health_every": 0}
+
+
+def test_resume_refuses_a_changed_trajectory_and_writes_nothing(tmp_path, byte_tokenizer, corpus, capsys):
+    """issue 17: `resume: auto` with a changed lr / recipe / data / seed refuses in one line naming each key,
+    old and new value, and how to proceed; the run's files are untouched. Longer runs and other cadences
+    continue, and the change is logged; `resume: force` continues with the new values."""
+    run_dir = tmp_path / "run"
+    Trainer(tiny_config(tmp_path, byte_tokenizer, corpus, **_SHORT), progress=False).fit()
+    before = _snapshot(run_dir)
+    for change, shown in (({"optim.lr": 1e-3}, "optim.lr 0.003 -> 0.001"), ({"recipe": "hybrid"}, "recipe 'bf16' -> 'hybrid'"),
+                          ({"data.seq_len": 32}, "data.seq_len 64 -> 32"), ({"seed": 1}, "seed 0 -> 1"),
+                          ({"train.steps": 1}, "train.steps 2 -> 1")):
+        with pytest.raises(ConfigError) as error:
+            Trainer(tiny_config(tmp_path, byte_tokenizer, corpus, **{**_SHORT, **change}), progress=False)
+        message = str(error.value)
+        assert "\n" not in message and shown in message and "new run_dir" in message and "resume=force" in message
+    capsys.readouterr()
+    overrides = tiny_overrides(tmp_path, byte_tokenizer, corpus, **{**_SHORT, "optim.lr": 1e-3, "recipe": "hybrid"})
+    assert main(["train", "--no-progress", str(TINY_CONFIG), *overrides]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "optim.lr 0.003 -> 0.001; recipe 'bf16' -> 'hybrid'" in err, err
+    assert _snapshot(run_dir) == before  # config.yaml, metrics.jsonl, checkpoints, final/: untouched
+
+    longer = Trainer(tiny_config(tmp_path, byte_tokenizer, corpus, **{**_SHORT, "train.steps": 3,
+                                                                       "train.log_every": 2}), progress=False)
+    assert longer.step == 2
+    assert "config changed since" in capsys.readouterr().out  # recorded in the log
+    assert sorted(longer.fit().losses) == [3]
+    assert load_config(run_dir / "config.yaml").train.steps == 3
+
+    forced = Trainer(tiny_config(tmp_path, byte_tokenizer, corpus, resume="force",
+                                 **{**_SHORT, "train.steps": 3, "optim.lr": 1e-3}), progress=False)
+    assert forced.step == 3 and forced.optimizer.param_groups[0]["initial_lr"] == 1e-3
+    assert "resume=force: continuing with a changed trajectory: optim.lr 0.003 -> 0.001" in capsys.readouterr().out
+    assert load_config(run_dir / "config.yaml").optim.lr == 1e-3
+
+
+def test_run_dir_with_metrics_but_no_checkpoint(tmp_path, byte_tokenizer, corpus, capsys):
+    """A run that died before its first checkpoint: the same config starts it over (the same steps again);
+    another config, or metrics without a config, refuse without touching metrics.jsonl."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
+    with pytest.raises(ConfigError, match=r"metrics.jsonl but no config.yaml or checkpoint.*resume=force"):
+        Trainer(tiny_config(tmp_path, byte_tokenizer, corpus, **_SHORT), progress=False)
+    cfg = tiny_config(tmp_path, byte_tokenizer, corpus, **_SHORT)
+    import yaml
+
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+    before = _snapshot(run_dir)
+    with pytest.raises(ConfigError, match=r"optim.lr 0.003 -> 0.001"):
+        Trainer(tiny_config(tmp_path, byte_tokenizer, corpus, **{**_SHORT, "optim.lr": 1e-3}), progress=False)
+    assert _snapshot(run_dir) == before
+    again = Trainer(cfg, progress=False)
+    assert again.step == 0 and "starts over from step 0" in capsys.readouterr().out
+    assert sorted(again.fit().losses) == [1, 2]
 
 
 def test_resume_none_refuses_a_run_dir_with_checkpoints(tmp_path, byte_tokenizer, corpus):
@@ -108,6 +211,10 @@ def test_resume_none_refuses_a_run_dir_with_checkpoints(tmp_path, byte_tokenizer
     Trainer(tiny_config(tmp_path, byte_tokenizer, corpus, **extra), progress=False).fit()
     with pytest.raises(FileExistsError, match="resume=auto"):
         Trainer(tiny_config(tmp_path, byte_tokenizer, corpus, resume="none", **extra), progress=False)
+    (tmp_path / "run" / "checkpoints").rename(tmp_path / "elsewhere")  # a run without checkpoints is a run too
+    with pytest.raises(FileExistsError, match="already holds a run"):
+        Trainer(tiny_config(tmp_path, byte_tokenizer, corpus, resume="none", **extra), progress=False)
+    (tmp_path / "elsewhere").rename(tmp_path / "run" / "checkpoints")
     # A finished run resumes to its end: nothing is trained again, the export is rewritten.
     again = Trainer(tiny_config(tmp_path, byte_tokenizer, corpus, **extra), progress=False)
     assert again.step == 2

@@ -82,7 +82,7 @@ def test_single_process_checkpoint_resumes_at_two_ranks_and_fsdp_runs_at_one(tmp
     for step in (4, 5, 6):  # FSDP's BF16 parameters: the 5e-3 bound of the 2-rank comparison above
         assert abs(lc[step] - l1[step]) / l1[step] < 5e-3, (step, lc[step], l1[step])
     assert json.loads((tmp_path / "cont" / "run" / "checkpoints" / "step_00000006" / "manifest.json").read_text()
-                      )["format"] == "fp8train-sharded-checkpoint"
+                      )["kind"] == "sharded"
 
     # FSDP2 at world size 1
     fsdp1 = tiny_overrides(tmp_path / "fsdp1", byte_tokenizer, corpus, **{**extra, "distributed.fsdp": "always"})
@@ -92,4 +92,4 @@ def test_single_process_checkpoint_resumes_at_two_ranks_and_fsdp_runs_at_one(tmp
     for step in lf:
         assert abs(lf[step] - l1[step]) / l1[step] < 5e-3, (step, lf[step], l1[step])
     manifest = tmp_path / "fsdp1" / "run" / "checkpoints" / "step_00000006" / "manifest.json"
-    assert json.loads(manifest.read_text())["format"] == "fp8train-sharded-checkpoint"
+    assert json.loads(manifest.read_text())["kind"] == "sharded"

@@ -14,6 +14,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ..train.checkpoint import hf_model_dir
 from .generate import BACKENDS, SamplingConfig, generate, load_tokenizer_for, render_prompts, resolve_backend
 from .scoring import LETTERS, extract_choice, extract_gold, extract_math_answer, math_equal, shuffle_choices
 
@@ -219,9 +220,7 @@ def run_eval(cfg: EvalConfig) -> dict:
     start = time.time()
     problems = load_problems(cfg)
     backend = resolve_backend(cfg.backend)
-    model = Path(cfg.model)
-    if not (model / "config.json").is_file() and (model / "model" / "config.json").is_file():
-        model = model / "model"  # a training checkpoint: evaluate the model it holds
+    model = hf_model_dir(cfg.model)  # a training checkpoint: its model/, verified against the manifest
     tokenizer = load_tokenizer_for(model)
     convs = [([{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else [])
              + [{"role": "user", "content": _user_message(p, cfg)}] for p in problems]

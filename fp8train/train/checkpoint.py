@@ -1,61 +1,85 @@
-"""Atomic, verified single-process checkpoints for exact resume, and the final Hugging Face export.
-
-One checkpoint is a directory::
+"""Checkpoints for exact resume: one format for single-process and FSDP2-sharded runs, verified before
+anything in it is read.
 
     root/step_00001000/
+        manifest.json    written last: format, version, kind, step, world_size, size + sha256 of every file
+        train_state.pt   step, scheduler, the trainer's train_state, RNG states (and, sharded, the
+                         optimizer's param_groups)
+        config.yaml      the run's resolved config when the trainer saves (what resume compares)
+      kind "single" (a plain model in one process):
         model/           Hugging Face directory: config, safetensors weights as trained (FP32), tokenizer
         optimizer.pt     optimizer.state_dict()
-        train_state.pt   scheduler state, the trainer's train_state, RNG states (torch, CUDA, random, numpy)
-        manifest.json    size and sha256 of every file above; written last
+      kind "sharded" (an FSDP2 model, any world size; every rank writes its shards):
+        dcp/             a torch.distributed.checkpoint directory (.metadata, __<rank>_<n>.distcp)
 
-Everything is written into a temp directory beside the final one, fsynced, and renamed into place, so
-a crash at any point leaves the earlier checkpoints and at most an ignored temp directory; a checkpoint
-without a manifest is never picked up, and a torn or tampered one is refused on load. One writer per
-root. A sharded (FSDP2, torch.distributed.checkpoint) variant can sit beside this with the same layout.
+`save_checkpoint` writes the kind the model calls for; `load_checkpoint` loads either kind into a plain
+or a sharded model (DCP reshards a sharded one; a single-process one is read whole and each rank keeps
+its shard); `verify_checkpoint` is the one check in front of both. Everything is written into
+`root/.tmp_step_...`, fsynced, the manifest last, and renamed into place by rank 0 once every rank has
+written, so a crash at any point leaves the earlier checkpoints and at most an ignored temp directory,
+and a directory without a manifest is never picked up. One writer per root. Files and directories get
+the permissions of the process umask, as other tools' outputs do, so a serving container can read them.
+
+Trust: a checkpoint is untrusted input whose author may have written every file, the manifest included.
+The manifest's sizes and sha256 sums catch torn writes, truncation and bit rot, and files that are not
+listed or are links are refused; against a forger they prove nothing, so nothing is read in a way that
+runs code: weights are safetensors, .pt files load with `torch.load(weights_only=True)`, config.yaml
+with `yaml.safe_load`, and DCP's pickled metadata through a restricted unpickler (see `_sharded.py`).
+Every refusal is a `CorruptCheckpointError` whose message is one line naming the file.
 """
 
 from __future__ import annotations
 
-import copy
-import hashlib
 import json
 import os
 import random
 import re
 import shutil
-import tempfile
-import uuid
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
 
 import numpy as np
 import torch
+import torch.distributed as dist
+import yaml
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
 
-__all__ = [
-    "CorruptCheckpointError",
-    "capture_rng_state",
-    "export_hf",
-    "find_latest_checkpoint",
-    "load_checkpoint",
-    "restore_rng_state",
-    "save_checkpoint",
-    "verify_checkpoint",
-]
+from . import files as fs
+from .distributed import all_ranks_ok, get_rank, is_sharded_model
+
+__all__ = ["Checkpoint", "CorruptCheckpointError", "capture_rng_state", "find_latest_checkpoint", "hf_model_dir",
+           "load_checkpoint", "read_model_weights", "restore_rng_state", "save_checkpoint", "save_model_dir", "tied_names",
+           "verify_checkpoint"]
 
 MANIFEST = "manifest.json"
-_FORMAT = "fp8train-checkpoint"
-_VERSION = 1
+FORMAT = "fp8train-checkpoint"
+VERSION = 2  # 1: single-process only, no `kind`; read as kind "single"
+_REQUIRED = {"single": ("model/config.json", "optimizer.pt", "train_state.pt"),
+             "sharded": ("dcp/.metadata", "train_state.pt")}
+_WEIGHTS = ("model/model.safetensors", "model/model.safetensors.index.json")
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
-_TMP = ".tmp_"      # being written; never read, removed by the next successful save
-_TRASH = ".trash_"  # being deleted; renamed first so a half-deleted checkpoint never looks complete
-_REQUIRED = ("optimizer.pt", "train_state.pt", "model/config.json")
-_CHUNK = 8 << 20
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_MAX_MANIFEST = 64 << 20
 
 
-class CorruptCheckpointError(RuntimeError):
-    """A checkpoint whose files do not match its manifest (torn write, truncation, tampering)."""
+class CorruptCheckpointError(ValueError):
+    """A checkpoint that is incomplete, torn, modified or not in fp8train's format; one line naming the file."""
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A checkpoint directory that matched its manifest (what `verify_checkpoint` returns)."""
+
+    path: Path
+    kind: str
+    """`single` or `sharded`."""
+    step: int
+    world_size: int
+    """Ranks that wrote it."""
+    files: dict
+    """Posix path relative to `path` -> {"size", "sha256"}, the manifest itself excluded."""
 
 
 # ---------------------------------------------------------------------------------------------- RNG
@@ -89,145 +113,87 @@ def restore_rng_state(state: dict) -> None:
             torch.cuda.set_rng_state(cuda_state.cpu(), device)
 
 
-# --------------------------------------------------------------------------------------- file system
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _digest(path: Path, sync: bool = False) -> dict:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            digest.update(chunk)
-        if sync:  # one pass reads the bytes back for the hash and flushes them to disk
-            os.fsync(f.fileno())
-    return {"size": path.stat().st_size, "sha256": digest.hexdigest()}
-
-
-def _parallel(fn, items: list) -> list:
-    with ThreadPoolExecutor(max_workers=min(8, max(1, len(items)))) as pool:  # hashlib releases the GIL
-        return list(pool.map(fn, items))
-
-
-def _sync_tree(root: Path, digest: bool = False) -> dict[str, dict]:
-    """fsync every file and directory under `root`; with `digest`, return {posix relpath: size, sha256}."""
-    files = sorted(p for p in root.rglob("*") if p.is_file())
-    if digest:
-        entries = dict(zip((p.relative_to(root).as_posix() for p in files),
-                           _parallel(lambda p: _digest(p, sync=True), files)))
-    else:
-        entries = {}
-        for p in files:
-            with open(p, "rb") as f:
-                os.fsync(f.fileno())
-    for d in sorted({p.parent for p in files} | {root}, key=lambda p: len(p.parts), reverse=True):
-        _fsync_dir(d)
-    return entries
-
-
-def _write_json(path: Path, obj: dict) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=2, sort_keys=True)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _remove(path: Path) -> None:
-    trash = path.with_name(f"{_TRASH}{path.name}.{uuid.uuid4().hex[:12]}")
-    os.replace(path, trash)
-    _fsync_dir(path.parent)
-    shutil.rmtree(trash, ignore_errors=True)
-
-
-def _commit(tmp: Path, final: Path) -> None:
-    """Rename the finished `tmp` to `final`, replacing an existing `final` (e.g. a re-save of one step)."""
-    if final.exists():
-        _remove(final)
-    os.replace(tmp, final)
-    _fsync_dir(final.parent)
-
-
-def _remove_leftovers(root: Path) -> None:
-    for p in root.iterdir():
-        if p.is_dir() and p.name.startswith((_TMP, _TRASH)):
-            shutil.rmtree(p, ignore_errors=True)
-
-
 # ------------------------------------------------------------------------------------ model + tokenizer
 
 
-def _save_tokenizer(tokenizer, out_dir: Path) -> None:
-    if hasattr(tokenizer, "save_pretrained"):
-        tokenizer.save_pretrained(out_dir)
-        return
-    from tokenizers import Tokenizer
-    from transformers import PreTrainedTokenizerFast
-
-    if not isinstance(tokenizer, Tokenizer):
-        raise TypeError(f"tokenizer must be a transformers tokenizer or a tokenizers.Tokenizer, "
-                        f"got {type(tokenizer).__name__}")
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer).save_pretrained(out_dir)
-
-
-def _save_model_dir(model: nn.Module, out_dir: Path, tokenizer, state_dict: dict | None = None) -> None:
+def save_model_dir(model: nn.Module, out_dir: Path, tokenizer=None, state_dict: dict | None = None) -> None:
+    """`model` (and `tokenizer`) as a Hugging Face directory (safetensors)."""
     if not hasattr(model, "save_pretrained"):
         raise TypeError(f"model must be a Hugging Face PreTrainedModel (unwrapped), got {type(model).__name__}")
     # transformers >= 5 always writes safetensors; save_pretrained drops tied aliases by storage pointer.
     model.save_pretrained(out_dir, state_dict=state_dict)
-    if tokenizer is not None:
-        _save_tokenizer(tokenizer, out_dir)
+    if tokenizer is None:
+        return
+    if not hasattr(tokenizer, "save_pretrained"):
+        from tokenizers import Tokenizer
+        from transformers import PreTrainedTokenizerFast
+
+        if not isinstance(tokenizer, Tokenizer):
+            raise TypeError(f"tokenizer must be a transformers tokenizer or a tokenizers.Tokenizer, "
+                            f"got {type(tokenizer).__name__}")
+        tokenizer = PreTrainedTokenizerFast(tokenizer_object=tokenizer)
+    tokenizer.save_pretrained(out_dir)
 
 
-def _tied_names(model: nn.Module) -> dict[str, list[str]]:
-    """For each state_dict key, the other keys that name the same tensor (tied embeddings)."""
+_WRAPPERS = {"_orig_mod", "_checkpoint_wrapped_module"}
+
+
+def _state_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """model.state_dict(keep_vars=True) in state-dict spelling (no `_orig_mod.` / checkpoint-wrapper segments)."""
+    return {".".join(p for p in name.split(".") if p not in _WRAPPERS): t
+            for name, t in model.state_dict(keep_vars=True).items()}
+
+
+def tied_names(model: nn.Module) -> dict[str, list[str]]:
+    """Each state-dict name -> every name of the same tensor (tied embeddings), first-registered first."""
     by_tensor: dict[int, list[str]] = {}
-    for name, tensor in model.state_dict(keep_vars=True).items():
+    for name, tensor in _state_tensors(model).items():
         by_tensor.setdefault(id(tensor), []).append(name)
-    return {name: [n for n in names if n != name] for names in by_tensor.values() for name in names}
+    return {name: names for names in by_tensor.values() for name in names}
 
 
 def read_model_weights(model: nn.Module, model_dir: Path) -> dict[str, torch.Tensor]:
     """The safetensors weights of `model_dir` as a full state dict of `model`, tied aliases filled in;
-    an error names every key that does not match the model."""
+    a `ValueError` names every key that does not match the model."""
     index = model_dir / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() \
-        else ["model.safetensors"]
+    names = ["model.safetensors"]
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{index} is not a safetensors index ({type(e).__name__}: {e})") from None
+        if not all(isinstance(n, str) and n not in ("", ".", "..") and "/" not in n and "\\" not in n for n in names):
+            raise ValueError(f"{index} names a weight file outside {model_dir}")
     state: dict[str, torch.Tensor] = {}
-    for name in files:
-        state.update(load_file(model_dir / name))
-    tied = _tied_names(model)
+    for name in names:
+        try:
+            state.update(load_file(model_dir / name))
+        except (OSError, SafetensorError) as e:
+            raise ValueError(f"{model_dir / name} is not a readable safetensors file ({e})") from None
+    tied, shapes = tied_names(model), {k: tuple(v.shape) for k, v in _state_tensors(model).items()}
     unexpected = sorted(k for k in state if k not in tied)
-    missing = sorted(k for k, aliases in tied.items() if k not in state and not any(a in state for a in aliases))
+    missing = sorted(k for k, aliases in tied.items() if not any(a in state for a in aliases))
     if missing or unexpected:
-        raise RuntimeError(f"weights in {model_dir} do not match the model: missing keys {missing}, "
-                           f"unexpected keys {unexpected}")
+        raise ValueError(f"weights in {model_dir} do not match the model: missing keys {missing}, "
+                         f"unexpected keys {unexpected}")
+    wrong = [f"{k} {tuple(v.shape)} (model: {shapes[k]})" for k, v in state.items() if tuple(v.shape) != shapes[k]]
+    if wrong:
+        raise ValueError(f"weights in {model_dir} do not match the model's shapes: {', '.join(wrong[:4])}"
+                         + (f" and {len(wrong) - 4} more" if len(wrong) > 4 else ""))
     for key, aliases in tied.items():
-        for alias in aliases:
-            if key in state and alias in state and not torch.equal(state[key], state[alias]):
-                raise RuntimeError(f"weights in {model_dir} hold different values for {key!r} and {alias!r}, "
-                                   "which are tied in the model")
-    for key, aliases in tied.items():
-        if key not in state:
-            state[key] = next(state[a] for a in aliases if a in state)
+        present = [a for a in aliases if a in state]
+        if any(not torch.equal(state[present[0]], state[a]) for a in present[1:]):
+            raise ValueError(f"weights in {model_dir} hold different values for {present[0]!r} and {present[1]!r}, "
+                             "which are tied in the model")
+        state.setdefault(key, state[present[0]])
     return state
 
 
-def _load_model_weights(model: nn.Module, model_dir: Path) -> None:
-    model.load_state_dict(read_model_weights(model, model_dir))
-
-
-# ------------------------------------------------------------------------------------------ checkpoints
+# ------------------------------------------------------------------------------------------------ save
 
 
 def _check_plain(value, where: str) -> None:
-    """train_state must load with weights_only=True: builtins, containers of them, and tensors."""
+    """What goes into train_state.pt must load with weights_only=True: builtins, containers of them, tensors."""
     if value is None or isinstance(value, (bool, int, float, str, bytes, torch.Tensor)):
         return
     if isinstance(value, dict):
@@ -240,45 +206,72 @@ def _check_plain(value, where: str) -> None:
         for i, v in enumerate(value):
             _check_plain(v, f"{where}[{i}]")
         return
-    raise TypeError(f"{where} is a {type(value).__module__}.{type(value).__name__}; train_state may hold only "
-                    "None, bool, int, float, str, bytes, tensors, and dicts/lists/tuples of them")
+    raise TypeError(f"{where} is a {type(value).__module__}.{type(value).__name__}; {where.split('[')[0]} may hold "
+                    "only None, bool, int, float, str, bytes, tensors, and dicts/lists/tuples of them")
 
 
 def save_checkpoint(root: str | os.PathLike, step: int, *, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    scheduler, train_state: dict, tokenizer=None, keep_last: int | None = None) -> Path:
+                    scheduler=None, train_state: dict | None = None, tokenizer=None, config: dict | None = None,
+                    keep_last: int | None = None) -> Path:
     """Write `root/step_{step:08d}` atomically and return it; then keep only the newest `keep_last`.
 
-    The model is saved in the dtype it trains in (FP32 master weights), so resume is bit-exact.
+    A model sharded by FSDP2 is saved as kind "sharded", and every rank must call this (each writes its
+    shards, rank 0 the rest); any other model as kind "single". Weights are saved in the dtype they
+    train in (FP32 master weights), so resume is bit-exact. `config` (a plain dict) becomes config.yaml.
     """
+    from ._sharded import write_dcp
+
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be a non-negative integer, got {step!r}")
     if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
         raise ValueError(f"keep_last must be None or an integer >= 1, got {keep_last!r}")
+    train_state = {} if train_state is None else train_state
     if not isinstance(train_state, dict):
         raise TypeError(f"train_state must be a dict, got {type(train_state).__name__}")
     _check_plain(train_state, "train_state")
-    root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
+    root, sharded, main = Path(root), is_sharded_model(model), get_rank() == 0
     final = root / f"step_{step:08d}"
-    tmp = Path(tempfile.mkdtemp(prefix=f"{_TMP}{final.name}.", dir=root))
+    tmp = root / f"{fs.TMP_PREFIX}{final.name}"  # the same name on every rank; one writer per root
+
+    def begin():
+        if main:
+            root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+
+    def finish():
+        if not main:
+            return
+        if not sharded:
+            save_model_dir(model, tmp / "model", tokenizer)
+            torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        torch.save(state, tmp / "train_state.pt")
+        if config is not None:
+            (tmp / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
+        files = fs.sync_tree(tmp, digest=True)
+        world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        fs.write_json(tmp / MANIFEST, {"format": FORMAT, "version": VERSION, "step": step, "world_size": world_size,
+                                       "kind": "sharded" if sharded else "single", "files": files})
+        fs.fsync_dir(tmp)
+        fs.commit(tmp, final, sync=False)
+
+    state = {"step": step, "scheduler": None if scheduler is None else scheduler.state_dict(),
+             "train_state": train_state, "rng": capture_rng_state()}
     try:
-        _save_model_dir(model, tmp / "model", tokenizer)
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-        torch.save({"step": step, "scheduler": scheduler.state_dict(), "train_state": train_state,
-                    "rng": capture_rng_state()}, tmp / "train_state.pt")
-        files = _sync_tree(tmp, digest=True)
-        _write_json(tmp / MANIFEST, {"format": _FORMAT, "version": _VERSION, "step": step, "files": files})
-        _fsync_dir(tmp)
-        _commit(tmp, final)
+        all_ranks_ok(begin, f"preparing checkpoint {final}")
+        if sharded:  # collective: DCP turns a failure on any rank into an error on every rank
+            state["optimizer_param_groups"] = write_dcp(tmp / "dcp", model, optimizer)
+        all_ranks_ok(finish, f"writing checkpoint {final}")
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if main:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if keep_last is not None:
-        complete = _complete_checkpoints(root)
-        for _, path in complete[:-keep_last]:
-            if path != final:  # a lower step saved after a higher one is still the one just written
-                _remove(path)
-    _remove_leftovers(root)
+    if main:
+        if keep_last is not None:
+            for _, path in _complete_checkpoints(root)[:-keep_last]:
+                if path != final:  # a lower step saved after a higher one is still the one just written
+                    fs.remove(path)
+        fs.remove_leftovers(root)
     return final
 
 
@@ -299,99 +292,163 @@ def find_latest_checkpoint(root: str | os.PathLike) -> Path | None:
     return complete[-1][1] if complete else None
 
 
-def verify_checkpoint(path: str | os.PathLike) -> dict:
-    """Check every file against the manifest; return the manifest or raise `CorruptCheckpointError`."""
-    path = Path(path)
+# ---------------------------------------------------------------------------------------------- verify
+
+
+def _parse_manifest(path: Path) -> tuple[str, int, int, dict]:
+    """(kind, step, world_size, files) of manifest `path`."""
+    try:
+        m = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CorruptCheckpointError(f"{path} is unreadable: {' '.join(str(e).split())}") from None
+    fmt = m.get("format") if isinstance(m, dict) else None
+    if fmt == "fp8train-sharded-checkpoint":
+        raise CorruptCheckpointError(f"{path}: a sharded checkpoint of an earlier fp8train, which recorded no "
+                                     "checksums; it cannot be verified (resume from a newer checkpoint)")
+    if fmt != FORMAT:
+        raise CorruptCheckpointError(f"{path} is not an {FORMAT} manifest (format {fmt!r})")
+    if m.get("version") not in (1, VERSION):
+        raise CorruptCheckpointError(f"{path} has version {m.get('version')!r}; this fp8train reads 1 and {VERSION}")
+    kind = m.get("kind", "single") if m["version"] == 1 else m.get("kind")
+    step, world_size, files = m.get("step"), m.get("world_size", 1), m.get("files")
+    if kind not in _REQUIRED:
+        raise CorruptCheckpointError(f"{path} has kind {kind!r}; expected single or sharded")
+    for key, value, low in (("step", step, 0), ("world_size", world_size, 1)):
+        if type(value) is not int or value < low:
+            raise CorruptCheckpointError(f"{path} has {key} {value!r}; expected an integer >= {low}")
+    if not isinstance(files, dict):
+        raise CorruptCheckpointError(f"{path} has no `files` mapping")
+    for rel, entry in files.items():
+        parts = PurePosixPath(rel).parts
+        if (not rel or rel.startswith("/") or "\\" in rel or rel == MANIFEST or PurePosixPath(*parts).as_posix() != rel
+                or any(p in (".", "..") for p in parts)):
+            raise CorruptCheckpointError(f"{path} lists a path that is not a plain relative file name: {rel!r}")
+        if not (isinstance(entry, dict) and type(entry.get("size")) is int and entry["size"] >= 0
+                and isinstance(entry.get("sha256"), str) and _SHA256.match(entry["sha256"])):
+            raise CorruptCheckpointError(f"{path} has a malformed entry for {rel!r}")
+    for rel in _REQUIRED[kind]:
+        if rel not in files:
+            raise CorruptCheckpointError(f"{path} does not list {rel}")
+    if kind == "single" and not set(_WEIGHTS) & set(files):
+        raise CorruptCheckpointError(f"{path} lists no model weights (model/model.safetensors[.index.json])")
+    return kind, step, world_size, files
+
+
+def _verify_here(path: Path, digest: bool) -> Checkpoint:
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint directory {path} does not exist")
-    manifest_path = path / MANIFEST
-    if not manifest_path.is_file():
-        raise CorruptCheckpointError(f"{manifest_path} is missing: the checkpoint is incomplete")
+    manifest = path / MANIFEST
+    if not manifest.exists() and not manifest.is_symlink():
+        raise CorruptCheckpointError(f"{manifest} is missing: the checkpoint is incomplete (a save did not finish)")
     try:
-        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
-        files = manifest["files"]
-        if manifest.get("format") != _FORMAT or not isinstance(files, dict):
-            raise ValueError(f"not an {_FORMAT} manifest")
-        for rel, entry in files.items():
-            if not (isinstance(entry, dict) and isinstance(entry.get("size"), int)
-                    and isinstance(entry.get("sha256"), str)):
-                raise ValueError(f"bad entry for {rel!r}")
-    except (ValueError, KeyError, TypeError) as e:
-        raise CorruptCheckpointError(f"{manifest_path} is unreadable: {e}") from None
-    if manifest.get("version") != _VERSION:
-        raise CorruptCheckpointError(f"{manifest_path} has version {manifest.get('version')!r}; "
-                                     f"this fp8train reads version {_VERSION}")
-    for rel in _REQUIRED:
-        if rel not in files:
-            raise CorruptCheckpointError(f"{manifest_path} does not list {rel}")
-    if not {"model/model.safetensors", "model/model.safetensors.index.json"} & set(files):
-        raise CorruptCheckpointError(f"{manifest_path} lists no model weights (model/model.safetensors[.index.json])")
+        on_disk = fs.files_on_disk(path)
+    except ValueError as e:
+        raise CorruptCheckpointError(f"{e}; a checkpoint holds regular files only") from None
+    if on_disk.get(MANIFEST, 0) > _MAX_MANIFEST:
+        raise CorruptCheckpointError(f"{manifest} is larger than any manifest fp8train writes")
+    kind, step, world_size, files = _parse_manifest(manifest)
     for rel, entry in files.items():
-        if Path(rel).is_absolute() or ".." in Path(rel).parts:
-            raise CorruptCheckpointError(f"{manifest_path} lists a path outside the checkpoint: {rel!r}")
-        f = path / rel
-        if not f.is_file():
-            raise CorruptCheckpointError(f"{f} is missing (listed in {MANIFEST})")
-        if f.stat().st_size != entry["size"]:
-            raise CorruptCheckpointError(f"{f} has {f.stat().st_size} bytes, {MANIFEST} says {entry['size']} "
+        if rel not in on_disk:
+            raise CorruptCheckpointError(f"{path / rel} is missing (listed in {MANIFEST})")
+        if on_disk[rel] != entry["size"]:
+            raise CorruptCheckpointError(f"{path / rel} has {on_disk[rel]} bytes, {MANIFEST} says {entry['size']} "
                                          "(truncated or torn write)")
-    actual = dict(zip(files, _parallel(lambda rel: _digest(path / rel)["sha256"], list(files))))
-    for rel, entry in files.items():
-        if actual[rel] != entry["sha256"]:
-            raise CorruptCheckpointError(f"{path / rel} has sha256 {actual[rel]}, {MANIFEST} says "
-                                         f"{entry['sha256']} (corrupted or modified)")
-    return manifest
+    unlisted = sorted(set(on_disk) - set(files) - {MANIFEST})
+    if unlisted:
+        raise CorruptCheckpointError(f"{path / unlisted[0]} is not listed in {MANIFEST} (added after the save)")
+    if digest:
+        actual = fs.digest_files(path, list(files))
+        for rel, entry in files.items():
+            if actual[rel] != entry["sha256"]:
+                raise CorruptCheckpointError(f"{path / rel} has sha256 {actual[rel]}, {MANIFEST} says "
+                                             f"{entry['sha256']} (corrupted or modified)")
+    return Checkpoint(path, kind, step, world_size, files)
 
 
-def load_checkpoint(path: str | os.PathLike, *, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                    scheduler=None, map_location: str | torch.device = "cpu") -> dict:
-    """Verify, then restore model, optimizer, scheduler and RNG states; return the saved train_state."""
+def verify_checkpoint(path: str | os.PathLike) -> Checkpoint:
+    """Check every file of `path` against its manifest (size and sha256; nothing unlisted, no links) and
+    return the `Checkpoint`; raise `CorruptCheckpointError` otherwise. In a process group every rank
+    calls it: rank 0 hashes the files, the others check the manifest and sizes, and a failure on any
+    rank raises on every rank."""
+    out = []
+    all_ranks_ok(lambda: out.append(_verify_here(Path(path), digest=get_rank() == 0)), f"verifying checkpoint {path}")
+    return out[0]
+
+
+def hf_model_dir(path: str | os.PathLike) -> Path:
+    """The Hugging Face model directory to read for `path` (export, eval): the `model/` of a training
+    checkpoint (a directory with manifest.json, or with model/ and no config.json), verified first;
+    otherwise `path` itself."""
     path = Path(path)
-    verify_checkpoint(path)
-    _load_model_weights(model, path / "model")
-    state = torch.load(path / "train_state.pt", map_location=map_location, weights_only=True)
-    if optimizer is not None:
-        optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=map_location, weights_only=True))
-    if scheduler is not None:
-        scheduler.load_state_dict(state["scheduler"])
-    restore_rng_state(state["rng"])
-    return state["train_state"]
+    if not ((path / MANIFEST).exists() or ((path / "model").is_dir() and not (path / "config.json").exists())):
+        return path
+    if verify_checkpoint(path).kind != "single":
+        raise ValueError(f"{path} is a sharded (FSDP2) checkpoint, which holds no Hugging Face model directory; "
+                         "use the run's final/ export (resume the run to its end to write it)")
+    return path / "model"
 
 
-# ----------------------------------------------------------------------------------------------- export
+# ------------------------------------------------------------------------------------------------ load
 
 
-def export_hf(model: nn.Module, out_dir: str | os.PathLike, tokenizer=None, dtype: torch.dtype = torch.bfloat16,
-              *, overwrite: bool = False) -> Path:
-    """Write `model` as a Hugging Face directory in `dtype` (safetensors, config, tokenizer), atomically.
-
-    A model with its Linears swapped for FP8 subclasses exports exactly like the original: only the
-    shared parameters are written. An existing non-empty `out_dir` is replaced only with `overwrite`.
-    """
-    out_dir = Path(out_dir)
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())) and not overwrite:
-        raise FileExistsError(f"{out_dir} exists and is not empty; pass overwrite=True to replace it")
-    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-        raise ValueError(f"dtype must be a floating torch.dtype, got {dtype!r}")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f"{_TMP}{out_dir.name}.", dir=out_dir.parent))
+def _torch_load(path: Path, map_location):
     try:
-        params = model.state_dict(keep_vars=True)
-        cast: dict[int, torch.Tensor] = {}  # cast each tensor once so that tied aliases stay one storage
-        for t in params.values():
-            if id(t) not in cast:
-                cast[id(t)] = t.detach().to(dtype) if t.is_floating_point() else t.detach()
-        state = {name: cast[id(t)] for name, t in params.items()}
-        _save_model_dir(model, tmp, tokenizer, state_dict=state)
-        config = copy.deepcopy(model.config)
-        config.dtype = dtype  # save_pretrained records the in-memory (FP32) dtype
-        config.use_cache = True  # training turns the KV cache off; generation from the export wants it
-        config.save_pretrained(tmp)
-        _sync_tree(tmp)
-        if out_dir.exists() and not out_dir.is_dir():
-            out_dir.unlink()
-        _commit(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out_dir
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as e:  # noqa: BLE001 - weights_only refuses what it cannot load safely; say so on one line
+        raise CorruptCheckpointError(f"{path} does not load with torch.load(weights_only=True) "
+                                     f"({type(e).__name__}); refusing it") from None
+
+
+def _read(ckpt: Checkpoint, model: nn.Module, optimizer, sharded_model: bool, map_location) -> dict:
+    """Everything of `ckpt` this rank needs, read and checked, before any of it touches the model."""
+    from . import _sharded
+
+    state = _torch_load(ckpt.path / "train_state.pt", map_location)
+    if not (isinstance(state, dict) and state.get("step") == ckpt.step and isinstance(state.get("train_state"), dict)
+            and isinstance(state.get("rng"), dict)):
+        raise CorruptCheckpointError(f"{ckpt.path / 'train_state.pt'} does not hold the training state of step {ckpt.step}")
+    if ckpt.kind == "sharded":
+        dcp_files = {rel[4:]: e["size"] for rel, e in ckpt.files.items() if rel.startswith("dcp/")}
+        state["dcp_metadata"] = _sharded.read_metadata(ckpt.path / "dcp", dcp_files)
+        return state
+    state["model"] = read_model_weights(model, ckpt.path / "model")
+    if optimizer is not None:
+        state["optimizer"] = _torch_load(ckpt.path / "optimizer.pt", map_location)
+        if sharded_model:
+            state["optimizer"] = _sharded.named_optimizer_state(model, optimizer, state["optimizer"],
+                                                                ckpt.path / "optimizer.pt")
+    return state
+
+
+def load_checkpoint(checkpoint: str | os.PathLike | Checkpoint, *, model: nn.Module,
+                    optimizer: torch.optim.Optimizer | None = None, scheduler=None,
+                    map_location: str | torch.device = "cpu") -> dict:
+    """Restore model, optimizer, scheduler and RNG states from a checkpoint of either kind into a plain
+    or an FSDP2-sharded model (after `apply_fsdp` and building the optimizer; every rank calls it), and
+    return the saved train_state. A path is verified first; a `Checkpoint` was verified already.
+
+    RNG states are restored into a plain model only: the ranks of a sharded one keep their own (the
+    data order lives in train_state, which is restored)."""
+    from . import _sharded
+
+    ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else verify_checkpoint(checkpoint)
+    sharded_model = is_sharded_model(model)
+    state: dict = {}
+    all_ranks_ok(lambda: state.update(_read(ckpt, model, optimizer, sharded_model, map_location)),
+                 f"reading checkpoint {ckpt.path}")
+    if ckpt.kind == "sharded":
+        _sharded.read_dcp(ckpt.path / "dcp", state["dcp_metadata"], model, optimizer,
+                          state.get("optimizer_param_groups"))
+    elif sharded_model:
+        _sharded.load_full_state(model, optimizer, state["model"], state.get("optimizer"))
+    else:
+        model.load_state_dict(state["model"])
+        if optimizer is not None:
+            optimizer.load_state_dict(state["optimizer"])
+    if scheduler is not None:
+        if state["scheduler"] is None:
+            raise CorruptCheckpointError(f"{ckpt.path / 'train_state.pt'} holds no scheduler state")
+        scheduler.load_state_dict(state["scheduler"])
+    if not sharded_model:
+        restore_rng_state(state["rng"])
+    return state["train_state"]

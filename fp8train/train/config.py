@@ -84,7 +84,9 @@ class TrainConfig:
     run_dir: str = "runs/default"
     """Output directory: config.yaml, metrics.jsonl, fp8_health.jsonl, checkpoints/, final/."""
     resume: str = "auto"
-    """`auto` (continue from the newest complete checkpoint in run_dir, if any), `none`, or a checkpoint path."""
+    """`auto` (continue from the newest complete checkpoint in run_dir, if any; refused when the config
+    differs from the run's in what shapes its trajectory), `force` (`auto`, accepting such changes),
+    `none` (a new run; refused if run_dir holds one), or a checkpoint path."""
     seed: int = 0
     """Seed for model init and data order; the same seed gives the same run."""
     device: Literal["auto", "cpu", "cuda"] = "auto"

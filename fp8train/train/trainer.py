@@ -13,9 +13,8 @@ checkpoint (model, optimizer, scheduler, sampler position, RNG) reproduces it bi
 from __future__ import annotations
 
 import contextlib
-import logging
+import dataclasses
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,42 +26,20 @@ from ..data import GlobalBatchSampler, build_cpt_datasets, build_sft_datasets, c
 from ..fp8.convert import cache_fp8_weights, convert_to_fp8
 from ..fp8.health import track_fp8_health
 from ..fp8.recipe import make_recipe
-from .checkpoint import export_hf, find_latest_checkpoint, load_checkpoint, save_checkpoint
+from ..export import export_hf
+from .checkpoint import find_latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainConfig, config_to_dict
+from .distributed import World
 from .metrics import MetricsLogger, Throughput, flops_per_token, peak_memory_gib, peak_tflops
 from .model import build_model, load_model_tokenizer, parallelize_model
 from .optim import build_optimizer, build_scheduler, clip_grad_norm
+from .resume import plan_resume
 
-log = logging.getLogger(__name__)
-
-__all__ = ["NonFiniteLossError", "World", "TrainResult", "Trainer", "train"]
+__all__ = ["NonFiniteLossError", "TrainResult", "Trainer", "train"]
 
 
 class NonFiniteLossError(RuntimeError):
     """Too many NaN/Inf steps in a row; the run stopped and its last good checkpoint is kept."""
-
-
-@dataclass
-class World:
-    """What the loop needs to know about the process group. The default is a single process.
-
-    The distributed launcher (torchrun + FSDP2) fills in rank and world size, a `shard` hook that
-    `parallelize_model` calls last, and an `all_reduce_sum` for the loss token counts and loss sums.
-    """
-
-    rank: int = 0
-    world_size: int = 1
-    shard: Callable[[nn.Module], None] | None = None
-    all_reduce_sum: Callable[[torch.Tensor], torch.Tensor] = lambda t: t
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def sharded(self) -> bool:
-        """FSDP2 shards the model (any world size, 1 included): sharded checkpoints, gathered export."""
-        return self.shard is not None
 
 
 @dataclass
@@ -118,6 +95,7 @@ class Trainer:
         self.ckpt_root = self.run_dir / "checkpoints"
         self.device = _pick_device(cfg.device)
         self.dtype = torch.bfloat16
+        self._resume_plan = plan_resume(cfg)  # refuses, before anything is built or written, the wrong run
         torch.manual_seed(cfg.seed)
 
         self.tokenizer = tokenizer if tokenizer is not None or model is not None else load_model_tokenizer(cfg.model)
@@ -135,7 +113,8 @@ class Trainer:
         self.model.to(self.device)
         self.fp8_report = convert_to_fp8(self.model, make_recipe(cfg.recipe, pow2_scale=cfg.pow2_scale))
         parallelize_model(self.model, activation_checkpointing=cfg.train.activation_checkpointing,
-                          compile=cfg.train.compile, cuda_graphs=cfg.train.cuda_graphs, shard=self.world.shard)
+                          compile=cfg.train.compile, cuda_graphs=cfg.train.cuda_graphs,
+                          shard=self.world.shard if self.world.sharded else None)
         self.model.train()
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, self.total_steps)
@@ -165,31 +144,25 @@ class Trainer:
         return max(1, int(t.epochs * len(self.train_data)) // t.global_batch)
 
     def _resume(self) -> None:
-        mode = self.cfg.resume
-        if mode.lower() == "none":
-            if find_latest_checkpoint(self.ckpt_root) is not None:
-                raise FileExistsError(f"{self.ckpt_root} already holds checkpoints and config key 'resume' is "
-                                      "'none'; use resume=auto to continue, or a new run_dir")
+        ckpt = self._resume_plan.checkpoint
+        if ckpt is None:
             return
-        path = find_latest_checkpoint(self.ckpt_root) if mode.lower() == "auto" else Path(mode)
-        if path is None:
-            return
-        from .distributed import is_sharded_checkpoint, load_sharded, load_single_process_checkpoint
-
-        written_sharded = is_sharded_checkpoint(path)
-        if written_sharded or self.world.sharded:  # any checkpoint resumes at any world size
-            load = load_sharded if written_sharded else load_single_process_checkpoint
-            state = load(path, self.model, self.optimizer)
-            self.scheduler.load_state_dict(state["scheduler"])
-        else:
-            state = load_checkpoint(path, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler)
+        configured = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        state = load_checkpoint(ckpt, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler)
+        if self._resume_plan.forced:  # resume=force: the config's optimizer and schedule apply from here on
+            sched = self.scheduler
+            for group, new in zip(self.optimizer.param_groups, configured):
+                group.update(new)
+            sched.base_lrs = [g["initial_lr"] for g in self.optimizer.param_groups]
+            for group, base, lam in zip(self.optimizer.param_groups, sched.base_lrs, sched.lr_lambdas):
+                group["lr"] = base * lam(sched.last_epoch)
         self.sampler.load_state_dict(state["sampler"])
         self._batches = iter(self.sampler)
         self.step = state["step"]
         self.skipped_steps = state["skipped_steps"]
         self._nonfinite_in_a_row = state["nonfinite_in_a_row"]
         self.tokens_seen = state["tokens_seen"]
-        self._resumed_from = path
+        self._resumed_from = ckpt.path
 
     def _describe(self, data_stats) -> None:
         n_params = sum(p.numel() for p in self.model.parameters())
@@ -204,6 +177,7 @@ class Trainer:
             lines.append(f"data: {data_stats}")
         if self._resumed_from is not None:
             lines.append(f"resumed from {self._resumed_from} at step {self.step}")
+        lines += self._resume_plan.notes
         for line in lines:
             self.logger.write(line)
 
@@ -290,17 +264,13 @@ class Trainer:
         total, count = self.world.all_reduce_sum(total), self.world.all_reduce_sum(count)
         return float(total / count) if count > 0 else None
 
-    def save(self) -> Path | None:
+    def save(self) -> Path:
+        """Checkpoint the current step (every rank calls it; a sharded model writes its shards)."""
         state = {"step": self.step, "sampler": self.sampler.state_dict(), "skipped_steps": self.skipped_steps,
                  "nonfinite_in_a_row": self._nonfinite_in_a_row, "tokens_seen": self.tokens_seen}
-        if self.world.sharded:  # every rank writes its shards (DCP), resumable at any world size
-            from .distributed import save_sharded
-
-            return save_sharded(self.ckpt_root / f"step_{self.step:08d}", self.model, self.optimizer,
-                                {**state, "scheduler": self.scheduler.state_dict()})
         return save_checkpoint(self.ckpt_root, self.step, model=self.model, optimizer=self.optimizer,
                                scheduler=self.scheduler, train_state=state, tokenizer=self.tokenizer,
-                               keep_last=self.cfg.train.keep_last)
+                               config=config_to_dict(self.cfg), keep_last=self.cfg.train.keep_last)
 
     # ------------------------------------------------------------------------------------------- loop
 
@@ -340,23 +310,7 @@ class Trainer:
 
     def _export_final(self) -> Path | None:
         """The Hugging Face export of the final model (rank 0 gathers a sharded model first)."""
-        out = self.run_dir / "final"
-        if not self.world.sharded:
-            return export_hf(self.model, out, self.tokenizer, overwrite=True)
-        from .distributed import barrier, gather_full_state_dict
-
-        full = gather_full_state_dict(self.model)  # collective: every rank takes part
-        path = None
-        if self.world.is_main:
-            from transformers import AutoModelForCausalLM
-
-            with torch.device("meta"):
-                plain = AutoModelForCausalLM.from_config(self.model.config, dtype=torch.float32)
-            plain.load_state_dict(full, assign=True)
-            plain.tie_weights()
-            path = export_hf(plain, out, self.tokenizer, overwrite=True)
-        barrier()
-        return path
+        return export_hf(self.model, self.run_dir / "final", self.tokenizer, overwrite=True)
 
     def _report_nonfinite(self, step: int, loss: float, grad_norm: float) -> None:
         limit = self.cfg.train.max_nonfinite_steps
@@ -403,21 +357,13 @@ def train(cfg: TrainConfig, **kwargs) -> TrainResult:
     """Build a `Trainer` from `cfg` and run it to the end; under torchrun, on every rank with FSDP2."""
     from . import distributed as dist
 
-    info = dist.init_distributed(cfg.distributed)
-    if info.world_size == 1 and cfg.distributed.fsdp == "auto":
+    world = dist.init_distributed(cfg.distributed)
+    if world.world_size == 1 and cfg.distributed.fsdp == "auto":
         return Trainer(cfg, **kwargs).fit()
     if not torch.distributed.is_initialized():
         raise ValueError("config key 'distributed.fsdp' is 'always' but there is no process group: launch with "
                          "torchrun (torchrun --nproc-per-node 1 -m fp8train.cli train ...)")
-
-    def shard(model: nn.Module) -> None:
-        report = dist.apply_fsdp(model, cfg.distributed, info)
-        if info.is_main:
-            log.info("FSDP2: %d sharded modules, FP8 all-gather for %d weights, BF16 gather for %d",
-                     len(report.sharded), len(report.fp8_gather), len(report.bf16_gather))
-
-    world = World(rank=info.rank, world_size=info.world_size, shard=shard, all_reduce_sum=dist.all_reduce_sum)
     try:
-        return Trainer(cfg, world=world, **kwargs).fit()
+        return Trainer(cfg, world=dataclasses.replace(world, fsdp=cfg.distributed), **kwargs).fit()
     finally:
         dist.destroy()

@@ -194,7 +194,7 @@ def test_loss_is_mean_over_target_tokens_of_global_batch(tmp_path, byte_tokenize
     ce = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), targets.reshape(-1),
                                            ignore_index=-100, reduction="sum")
     expected = float(ce / (targets != -100).sum())
-    loss, grad_norm, _ = trainer.train_step(trainer._micro_batches(next(trainer._batches)))
+    loss, grad_norm, _ = trainer.train_step(trainer.next_micro_batches())
     assert loss == pytest.approx(expected, rel=2e-3)
     per_micro_mean = sum(float(torch.nn.functional.cross_entropy(
         logits[i, :-1], targets[i], ignore_index=-100)) for i in range(len(indices))) / len(indices)
@@ -217,7 +217,7 @@ def test_gradient_accumulation_matches_one_big_micro_batch(tmp_path, byte_tokeni
                           **{"train.micro_batch": mb, "train.steps": 3, "train.save_every": 0,
                              "optim.warmup_steps": 1, "optim.decay_steps": 1})
         trainer = Trainer(cfg, progress=False)
-        losses[mb] = [trainer.train_step(trainer._micro_batches(next(trainer._batches)))[0] for _ in range(3)]
+        losses[mb] = [trainer.train_step(trainer.next_micro_batches())[0] for _ in range(3)]
     torch.testing.assert_close(torch.tensor(losses[1]), torch.tensor(losses[8]), rtol=5e-3, atol=0)
 
 
@@ -234,7 +234,7 @@ def test_fp8_weight_cache_only_across_micro_batches(tmp_path, byte_tokenizer, co
         layer = next(m for m in trainer.model.modules() if isinstance(m, FP8Linear))
         seen = []
         layer.register_forward_hook(lambda m, a, o: seen.append(m._cache_weight))
-        trainer.train_step(trainer._micro_batches(next(trainer._batches)))
+        trainer.train_step(trainer.next_micro_batches())
         assert seen == [expect] * (8 // mb) and layer._weight_cache is None and not layer._cache_weight
 
 

@@ -212,6 +212,10 @@ class Trainer:
     def _to_device(self, batch: dict) -> dict:
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
 
+    def next_micro_batches(self) -> list[dict]:
+        """The next global batch of the sampler: this rank's micro-batches, as `train_step` takes them."""
+        return self._micro_batches(next(self._batches))
+
     def _micro_batches(self, indices: list[int]) -> list[dict]:
         local = rank_slice(indices, self.world.rank, self.world.world_size)
         mb = self.cfg.train.micro_batch
@@ -312,7 +316,7 @@ class Trainer:
         throughput = Throughput(self.device, peak_tflops(self.device, fp8), self.world.world_size)
         try:
             while self.step < self.total_steps:
-                batches = self._micro_batches(next(self._batches))
+                batches = self.next_micro_batches()
                 step = self.step + 1
                 track = fp8 and t.health_every > 0 and step % t.health_every == 0
                 loss, grad_norm, health = self.train_step(batches, track_health=track)

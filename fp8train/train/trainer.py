@@ -31,7 +31,7 @@ from .checkpoint import export_hf, find_latest_checkpoint, load_checkpoint, save
 from .config import TrainConfig, config_to_dict
 from .metrics import MetricsLogger, Throughput, flops_per_token, peak_memory_gib, peak_tflops
 from .model import build_model, load_model_tokenizer, parallelize_model
-from .optim import build_optimizer, build_scheduler, clip_grad_norm
+from .optim import build_optimizer, build_scheduler, optimizer_step
 
 log = logging.getLogger(__name__)
 
@@ -252,9 +252,10 @@ class Trainer:
                 health.update(stats)
                 loss_sum += out.loss.detach().float()
         loss = float(world.all_reduce_sum(loss_sum))
-        grad_norm = clip_grad_norm(self.model, self.cfg.optim.grad_clip)
+        # Clip and step (the clip folded into a fused AdamW's step); no update for a non-finite loss or norm.
+        grad_norm = optimizer_step(self.optimizer, self.model.parameters(), self.cfg.optim.grad_clip,
+                                   skip=not math.isfinite(loss))
         if math.isfinite(loss) and math.isfinite(grad_norm):
-            self.optimizer.step()
             self._nonfinite_in_a_row = 0
         else:
             self.optimizer.zero_grad(set_to_none=True)

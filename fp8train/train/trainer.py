@@ -29,6 +29,7 @@ from ..fp8.health import track_fp8_health
 from ..fp8.recipe import make_recipe
 from .checkpoint import export_hf, find_latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainConfig, config_to_dict
+from .loss import use_loss
 from .metrics import MetricsLogger, Throughput, flops_per_token, peak_memory_gib, peak_tflops
 from .model import build_model, load_model_tokenizer, parallelize_model
 from .optim import build_optimizer, build_scheduler, optimizer_step
@@ -136,6 +137,8 @@ class Trainer:
         self.fp8_report = convert_to_fp8(self.model, make_recipe(cfg.recipe, pow2_scale=cfg.pow2_scale))
         parallelize_model(self.model, activation_checkpointing=cfg.train.activation_checkpointing,
                           compile=cfg.train.compile, cuda_graphs=cfg.train.cuda_graphs, shard=self.world.shard)
+        # The loss runs inside the model's forward call (FSDP2 gathers the head there), chunked by default.
+        use_loss(self.model, cfg.train.loss_impl, chunk_tokens=cfg.train.loss_chunk_tokens, compile=cfg.train.compile)
         self.model.train()
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, self.total_steps)

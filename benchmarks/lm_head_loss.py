@@ -143,10 +143,19 @@ def run_shape(tokens: int, hidden: int, vocab: int, *, device: str, impls, chunk
             if not _available(impl, device):
                 continue
             fn = _loss_fn(impl, chunk, vocab)
-            for _ in range(warmup):
-                once(fn)
+            try:
+                for _ in range(warmup):
+                    once(fn)
+            except Exception as e:  # an implementation that fails to run (OOM, a Liger/Triton mismatch) is reported
+                print(f"{impl} (chunk {chunk}) at {tokens}x{hidden}x{vocab}: FAILED {type(e).__name__}: "
+                      f"{str(e)[:300]}", flush=True)
+                h.grad = w.grad = None
+                if cuda:
+                    torch.cuda.empty_cache()
+                continue
             times, peak = [], float("nan")
             for _ in range(max(1, reps)):
+                h.grad = w.grad = None  # the last run's gradients are not part of this one's memory
                 if cuda:
                     torch.cuda.synchronize()
                     torch.cuda.reset_peak_memory_stats()

@@ -14,8 +14,9 @@ chunk by chunk of tokens instead, and returns `logits=None` when `labels` are gi
 - memory: kept from forward to backward, the gradients (tokens x hidden in the hidden states' dtype,
   vocab x hidden in FP32) and, while the forward runs, the BF16 copies of the hidden states and the
   weight plus one chunk's logits and their gradient: about 16 bytes x C x vocab in eager mode
-  (bf16 logits, fp32 copy, log-softmax, its gradient, bf16 gradient) and ~4 bytes x C x vocab compiled,
-  never tokens x vocab. C is `chunk_tokens`, by default enough tokens for 2**28 logits per chunk.
+  (bf16 logits, fp32 copy, log-softmax, its gradient, bf16 gradient) and ~4 bytes x C x vocab compiled
+  (estimates: benchmarks/lm_head_loss.py measures the peak), never tokens x vocab. C is `chunk_tokens`,
+  by default enough tokens for 2**28 logits per chunk.
 - numerics: each chunk runs Hugging Face's own ops (F.linear in BF16, `.float()`, `F.cross_entropy`
   summed, differentiated by autograd), so with a single chunk on the CPU the loss and both gradients
   are bit for bit those of the plain path. With several chunks the weight gradient is the FP32 sum of

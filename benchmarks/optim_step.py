@@ -2,11 +2,14 @@
 
     PYTHONPATH=. python benchmarks/optim_step.py --model qwen2.5-7b:22
 
-The trainer's own pieces (`fp8train.train.optim.clip_grad_norm`, `build_optimizer`) over the FP32 parameters of
-a preset, random values and gradients, no forward. Bytes per parameter: clipping reads the gradient for
-the norm and reads and writes it to scale it (12); AdamW reads parameter, gradient and both moments and
-writes parameter and moments (28). The floor is those bytes at the bandwidth of a large device copy
-measured in the same run.
+The trainer's own pieces (`fp8train.train.optim.clip_grad_norm`, `optimizer_step`, `build_optimizer`) over the
+FP32 parameters of a preset, random values and gradients, no forward. Bytes per parameter: clipping reads
+the gradient for the norm and reads and writes it to scale it (12); AdamW reads parameter, gradient and
+both moments and writes parameter and moments (28); clip then step, the trainer's old optimizer part, is
+both (40); `optimizer_step` with a fused AdamW (the trainer's now) reads the gradient for the norm and
+passes the clip to the fused step as its `grad_scale`, which also writes the scaled gradient back
+(4 + 28 + 4 = 36). The floor is those bytes at the bandwidth of a large device copy measured in the same
+run. Each timed call includes the norm's host sync, as in the trainer.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ def _ms(fn, reps: int = 5, warmup: int = 2) -> float:
 
 def main(argv: list[str] | None = None) -> None:
     from fp8train.train.model import ModelConfig, build_model
-    from fp8train.train.optim import OptimConfig, build_optimizer, clip_grad_norm
+    from fp8train.train.optim import OptimConfig, build_optimizer, clip_grad_norm, optimizer_step
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="qwen2.5-7b:22", help="PRESET[:LAYERS]")
@@ -51,10 +54,20 @@ def main(argv: list[str] | None = None) -> None:
     copy_gbs = 2 * src.numel() * 4 / _ms(lambda: dst.copy_(src)) / 1e6
     del src, dst
 
+    # Clipping stays active throughout: after the first call the norm is ~max_norm, and both the clip
+    # (multiplying by min(1, ...)) and the folded step (dividing by max(1, ...)) still pass over every gradient.
     rows = [("clip_grad_norm (norm + scale)", _ms(lambda: clip_grad_norm(model, 1.0)), 12)]
     for fused in (True, False):
         opt = build_optimizer(model, OptimConfig(lr=1e-5, fused=fused))
         rows.append((f"AdamW {'fused' if fused else 'foreach'} step", _ms(opt.step), 28))
+        if fused:
+            def clip_then_step():
+                clip_grad_norm(model, 1.0)
+                opt.step()
+
+            rows.append(("clip_grad_norm, then fused step (trainer before)", _ms(clip_then_step), 40))
+            rows.append(("optimizer_step: clip folded into the fused step (trainer now)",
+                         _ms(lambda: optimizer_step(opt, model, 1.0)), 36))
         del opt
         torch.cuda.empty_cache()
 
@@ -65,6 +78,8 @@ def main(argv: list[str] | None = None) -> None:
     for label, ms, bpp in rows:
         floor = n * bpp / copy_gbs / 1e6
         print(f"| {label} | {ms:.1f} | {bpp} | {n * bpp / ms / 1e6:,.0f} | {floor:.1f} | {ms / floor:.2f} |")
+    before, now = (next(ms for label, ms, _ in rows if key in label) for key in ("trainer before", "trainer now"))
+    print(f"\nfolding the clip into the fused step: {before:.1f} -> {now:.1f} ms ({before - now:+.1f} ms saved)")
 
 
 if __name__ == "__main__":

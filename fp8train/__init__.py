@@ -15,6 +15,7 @@ _LAZY = {
     "TrainConfig": "train.config", "load_config": "train.config", "Trainer": "train.trainer", "train": "train.trainer",
     "ModelConfig": "train.model", "build_model": "train.model",
     "OptimConfig": "train.optim", "build_optimizer": "train.optim", "build_scheduler": "train.optim",
+    "optimizer_step": "train.optim", "linear_cross_entropy": "train.loss", "use_loss": "train.loss",
     "save_checkpoint": "train.checkpoint", "load_checkpoint": "train.checkpoint",
     "find_latest_checkpoint": "train.checkpoint", "export_hf": "export",
     "CorruptCheckpointError": "train.checkpoint",

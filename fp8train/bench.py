@@ -241,7 +241,7 @@ def _run_case(case: BenchCase, base: str, custom, steps: int, warmup: int, devic
         # CUDA graphs allocate their memory pool while recording, in the warm-up: their peak spans it
         if cuda and i == (0 if case.mode == "cudagraphs" else warmup):
             torch.cuda.reset_peak_memory_stats()
-        batches = trainer._micro_batches(next(trainer._batches))
+        batches = trainer.next_micro_batches()
         sync()
         t0 = time.perf_counter()
         loss, _, _ = trainer.train_step(batches)
@@ -261,7 +261,7 @@ def _run_case(case: BenchCase, base: str, custom, steps: int, warmup: int, devic
         from torch.profiler import ProfilerActivity
         from torch.profiler import profile as torch_profile
 
-        batches = trainer._micro_batches(next(iter(trainer.sampler)))
+        batches = trainer.next_micro_batches()
         with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             trainer.train_step(batches)
             sync()

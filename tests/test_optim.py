@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from fp8train.train.optim import OptimConfig, build_optimizer, build_scheduler, clip_grad_norm, lr_lambda
+from fp8train.train.optim import OptimConfig, build_optimizer, build_scheduler, clip_grad_norm, lr_lambda, optimizer_step
 
 
 def _cos_ref(peak, low, progress):
@@ -237,3 +237,82 @@ def test_clip_grad_norm_reports_non_finite(bad):
     norm = clip_grad_norm(params, 1.0)
     assert not math.isfinite(norm) and (math.isnan(norm) == math.isnan(bad))
     assert params[1].grad.item() == 1.0  # left untouched for the caller to skip the step
+
+
+# ------------------------------------------------------------------------- clip folded into the step
+
+
+def _model_and_grads(seed: int, grad_std: float, steps: int):
+    g = torch.Generator().manual_seed(seed)
+    model = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.Linear(32, 8))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    grads = [[torch.randn(p.shape, generator=g) * grad_std for p in model.parameters()] for _ in range(steps)]
+    return model, grads
+
+
+def _run(fold: bool, fused: bool, grad_std: float, steps: int = 4, max_norm: float = 1.0, clip: bool = True):
+    """`steps` AdamW steps over fixed gradients: `optimizer_step` (fold) or clip_grad_norm then step."""
+    model, grads = _model_and_grads(0, grad_std, steps)
+    opt = build_optimizer(model, OptimConfig(lr=1e-2, weight_decay=0.1, fused=fused))
+    norms = []
+    for step_grads in grads:
+        for p, g in zip(model.parameters(), step_grads):
+            p.grad = g.clone()
+        if fold:
+            norms.append(optimizer_step(opt, model, max_norm))
+        else:
+            norms.append(clip_grad_norm(model, max_norm if clip else 0.0))
+            opt.step()
+        assert not hasattr(opt, "grad_scale")
+    return torch.cat([p.detach().flatten() for p in model.parameters()]), norms, opt
+
+
+def test_fused_optimizer_step_folds_the_clip_into_adamw():
+    """Fused AdamW (CPU fused kernels in torch >= 2.4) divides the gradients by grad_scale inside its step.
+    Clipping active (norm ~100 > 1): one clipped gradient is g * c (clip) or g / (1 / c) (folded), each
+    within 2 FP32 roundings (2**-23 relative); Adam's update m / (sqrt(v) + eps) then moves by at most
+    ~2x that relative, and the parameter's own rounding may flip one ulp per step: |dp| <=
+    steps x 2**-21 x (max|p| + lr) with lr 1e-2 and |update| <= ~1. Not clipping (norm ~0.1 < 1): the
+    folded scale is exactly 1 and the result is clip-then-step bit for bit."""
+    steps, lr = 4, 1e-2
+    folded, norms, opt = _run(True, True, grad_std=10.0, steps=steps)
+    assert opt.param_groups[0]["fused"] and min(norms) > 50  # clipping was active every step
+    reference, ref_norms, _ = _run(False, True, grad_std=10.0, steps=steps)
+    assert norms == ref_norms  # the norm before clipping, measured the same way
+    bound = steps * 2.0**-21 * (reference.abs().max().item() + lr)
+    assert (folded - reference).abs().max().item() <= bound
+    unclipped, _, _ = _run(False, True, grad_std=10.0, steps=steps, clip=False)
+    assert (unclipped - reference).abs().max().item() > 100 * bound  # the bound would catch a lost clip
+
+    small, small_norms, _ = _run(True, True, grad_std=1e-2, steps=steps)
+    assert max(small_norms) < 1.0
+    assert torch.equal(small, _run(False, True, grad_std=1e-2, steps=steps)[0])
+
+
+def test_foreach_optimizer_step_is_clip_then_step_bit_for_bit():
+    folded, norms, opt = _run(True, False, grad_std=10.0)
+    assert opt.param_groups[0]["foreach"] and not opt.param_groups[0]["fused"]
+    reference, ref_norms, _ = _run(False, False, grad_std=10.0)
+    assert torch.equal(folded, reference) and norms == ref_norms
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_optimizer_step_skips_non_finite_and_on_request(fused):
+    model, (grads,) = _model_and_grads(1, 1.0, 1)
+    opt = build_optimizer(model, OptimConfig(lr=1e-2, fused=fused))
+    before = [p.detach().clone() for p in model.parameters()]
+    for p, g in zip(model.parameters(), grads):
+        p.grad = g.clone()
+    first = next(model.parameters())
+    first.grad[0, 0] = float("nan")
+    assert math.isnan(optimizer_step(opt, model, 1.0))
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())) and not opt.state
+    assert math.isnan(first.grad[0, 0]) and first.grad[0, 1] == grads[0][0, 1]  # left for the caller
+    first.grad[0, 0] = 0.0
+    norm = optimizer_step(opt, model, 1.0, skip=True)  # e.g. a non-finite loss with finite gradients
+    assert math.isfinite(norm) and not opt.state and not hasattr(opt, "grad_scale")
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert optimizer_step(opt, model, 0.0) == pytest.approx(norm, rel=1e-6)  # measure-only clip still steps
+    assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))

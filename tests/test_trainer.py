@@ -194,7 +194,7 @@ def test_loss_is_mean_over_target_tokens_of_global_batch(tmp_path, byte_tokenize
     ce = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), targets.reshape(-1),
                                            ignore_index=-100, reduction="sum")
     expected = float(ce / (targets != -100).sum())
-    loss, grad_norm, _ = trainer.train_step(trainer._micro_batches(next(trainer._batches)))
+    loss, grad_norm, _ = trainer.train_step(trainer.next_micro_batches())
     assert loss == pytest.approx(expected, rel=2e-3)
     per_micro_mean = sum(float(torch.nn.functional.cross_entropy(
         logits[i, :-1], targets[i], ignore_index=-100)) for i in range(len(indices))) / len(indices)
@@ -217,7 +217,7 @@ def test_gradient_accumulation_matches_one_big_micro_batch(tmp_path, byte_tokeni
                           **{"train.micro_batch": mb, "train.steps": 3, "train.save_every": 0,
                              "optim.warmup_steps": 1, "optim.decay_steps": 1})
         trainer = Trainer(cfg, progress=False)
-        losses[mb] = [trainer.train_step(trainer._micro_batches(next(trainer._batches)))[0] for _ in range(3)]
+        losses[mb] = [trainer.train_step(trainer.next_micro_batches())[0] for _ in range(3)]
     torch.testing.assert_close(torch.tensor(losses[1]), torch.tensor(losses[8]), rtol=5e-3, atol=0)
 
 
@@ -234,8 +234,29 @@ def test_fp8_weight_cache_only_across_micro_batches(tmp_path, byte_tokenizer, co
         layer = next(m for m in trainer.model.modules() if isinstance(m, FP8Linear))
         seen = []
         layer.register_forward_hook(lambda m, a, o: seen.append(m._cache_weight))
-        trainer.train_step(trainer._micro_batches(next(trainer._batches)))
+        trainer.train_step(trainer.next_micro_batches())
         assert seen == [expect] * (8 // mb) and layer._weight_cache is None and not layer._cache_weight
+
+
+def test_chunked_loss_matches_the_plain_hf_loss(tmp_path, byte_tokenizer, corpus):
+    """`train.loss_impl`. The default (chunked) fits a tiny-vocabulary micro-batch in one chunk, where it runs
+    the plain path's own ops: every training and validation loss is the same, bit for bit. With 100-token
+    chunks (256 tokens a micro-batch: 100 + 100 + 56) the first loss differs only by the order of FP32
+    sums (< 1e-6), and later ones through the head's weight gradient, summed over chunks in FP32 instead
+    of rounded once to BF16: within GOLDEN_RTOL, the suite's allowance for differently rounded BF16
+    kernels (measured: 1.1e-4 over 10 steps)."""
+    runs = {}
+    for name, extra in {"hf": {"train.loss_impl": "hf"}, "chunked": {},
+                        "chunks": {"train.loss_impl": "chunked", "train.loss_chunk_tokens": 100}}.items():
+        cfg = tiny_config(tmp_path / name, byte_tokenizer, corpus, recipe="bf16",
+                          **{"train.steps": 6, "train.eval_every": 3, "train.save_every": 0, **extra})
+        result = Trainer(cfg, progress=False).fit()
+        runs[name] = [result.losses[s] for s in sorted(result.losses)] + [result.val_loss]
+    assert runs["chunked"] == runs["hf"]
+    plain, chunks = torch.tensor(runs["hf"], dtype=torch.float64), torch.tensor(runs["chunks"], dtype=torch.float64)
+    assert chunks[0].item() == pytest.approx(plain[0].item(), rel=1e-6)
+    assert not torch.equal(chunks, plain)
+    torch.testing.assert_close(chunks, plain, rtol=GOLDEN_RTOL, atol=0)
 
 
 def test_fsdp_always_needs_torchrun(tmp_path, byte_tokenizer, corpus):

@@ -73,6 +73,14 @@ class LoopConfig:
     times BF16's kernels, which bounds short sequences by the CPU. Needs fixed shapes (packed CPT data)."""
     max_nonfinite_steps: int = 3
     """Stop with an error after this many NaN/Inf steps in a row (each is skipped: no optimizer update)."""
+    loss_impl: Literal["chunked", "liger", "hf"] = "chunked"
+    """LM head + loss (training and validation): `chunked` computes the BF16 head GEMM, FP32 cross-entropy
+    and both gradients chunk by chunk of tokens, never holding [tokens, vocabulary] logits (~10 GB at 8192
+    tokens x 151,936), with its softmax/gradient arithmetic compiled when `train.compile` is on; `liger`
+    uses Liger's fused linear cross-entropy (CUDA, `pip install fp8train[liger]`); `hf` the plain
+    Hugging Face forward (full FP32 logits). All three compute the same loss (fp8train/train/loss.py)."""
+    loss_chunk_tokens: int | None = None
+    """Tokens per chunk of `loss_impl: chunked`; null = enough for 2**28 logits per chunk (1 GiB as FP32)."""
 
 
 @dataclass
@@ -123,6 +131,8 @@ class TrainConfig:
             raise ConfigError(f"config key 'train.epochs' must be > 0, got {t.epochs}")
         if t.keep_last is not None and t.keep_last < 1:
             raise ConfigError(f"config key 'train.keep_last' must be >= 1 or null, got {t.keep_last}")
+        if t.loss_chunk_tokens is not None and t.loss_chunk_tokens < 1:
+            raise ConfigError(f"config key 'train.loss_chunk_tokens' must be >= 1 or null, got {t.loss_chunk_tokens}")
         if t.cuda_graphs and not t.compile:
             raise ConfigError("config key 'train.cuda_graphs' needs 'train.compile': true (it graphs the compiled layers)")
         per_step = t.micro_batch * world_size

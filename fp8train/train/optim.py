@@ -18,7 +18,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-__all__ = ["OptimConfig", "build_optimizer", "build_scheduler", "clip_grad_norm", "lr_lambda"]
+__all__ = ["OptimConfig", "build_optimizer", "build_scheduler", "clip_grad_norm", "lr_lambda", "optimizer_step"]
 
 Schedule = Literal["wsd", "cosine", "constant"]
 _SCHEDULES = ("wsd", "cosine", "constant")
@@ -194,6 +194,19 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
                              fused=fused or None, foreach=None if fused else True)
 
 
+def _params(model_or_params: nn.Module | Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    return list(model_or_params.parameters()) if isinstance(model_or_params, nn.Module) else list(model_or_params)
+
+
+def _total_norm(params: list[torch.Tensor]) -> torch.Tensor:
+    """The global gradient L2 norm as a device tensor (no host sync); FSDP2 DTensors reduced across ranks."""
+    grads = [p.grad for p in params if p.grad is not None]
+    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0, error_if_nonfinite=False)
+    if hasattr(total, "full_tensor"):  # DTensor with Partial placement: all-reduce once, as torchtitan does
+        total = total.full_tensor()
+    return total
+
+
 def clip_grad_norm(model_or_params: nn.Module | Iterable[torch.Tensor], max_norm: float | None) -> float:
     """Clip gradients to a global L2 norm of `max_norm` and return the norm before clipping.
 
@@ -201,13 +214,49 @@ def clip_grad_norm(model_or_params: nn.Module | Iterable[torch.Tensor], max_norm
     untouched (torch would turn them all into NaN), so the caller can count and skip the step.
     Works for FSDP2 DTensor parameters: the norm is reduced across ranks before clipping.
     """
-    params = (list(model_or_params.parameters()) if isinstance(model_or_params, nn.Module)
-              else list(model_or_params))
-    grads = [p.grad for p in params if p.grad is not None]
-    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0, error_if_nonfinite=False)
-    if hasattr(total, "full_tensor"):  # DTensor with Partial placement: all-reduce once, as torchtitan does
-        total = total.full_tensor()
+    params = _params(model_or_params)
+    total = _total_norm(params)
     norm = float(total.item())
     if max_norm and math.isfinite(norm):
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return norm
+
+
+def _is_fused(optimizer: torch.optim.Optimizer) -> bool:
+    return bool(optimizer.param_groups) and all(g.get("fused") for g in optimizer.param_groups)
+
+
+def optimizer_step(optimizer: torch.optim.Optimizer, model_or_params: nn.Module | Iterable[torch.Tensor],
+                   max_norm: float | None, *, skip: bool = False) -> float:
+    """Clip the gradients to a global L2 norm of `max_norm` and step; return the norm before clipping.
+
+    No step, and the gradients left as they are, when `skip` or the norm is not finite (the caller counts
+    it and zeroes them). `max_norm` None or 0 only measures. With a fused AdamW (the default on CUDA) the
+    clip is folded into the update: the fused kernel divides every gradient by `optimizer.grad_scale` (the
+    hook GradScaler uses), here max(1, (norm + 1e-6) / max_norm), so the gradients are read for the norm
+    and then by the update (which writes the scaled gradient back), with no clipping pass of their own.
+    It divides where torch's clip multiplies by min(1, max_norm / (norm + 1e-6)): while clipping is active
+    a clipped gradient can differ in its last bit; otherwise the scale is exactly 1. Other optimizers
+    (foreach AdamW, the CPU default): clip then step, as before. One host sync either way: the norm.
+    """
+    params = _params(model_or_params)
+    if not _is_fused(optimizer):
+        norm = clip_grad_norm(params, None if skip else max_norm)
+        if not skip and math.isfinite(norm):
+            optimizer.step()
+        return norm
+    total = _total_norm(params)
+    norm = float(total.item())
+    if skip or not math.isfinite(norm):
+        return norm
+    if not max_norm:
+        optimizer.step()
+        return norm
+    if getattr(optimizer, "grad_scale", None) is not None:
+        raise RuntimeError("optimizer_step: the optimizer already carries a grad_scale (a GradScaler step?)")
+    optimizer.grad_scale = torch.clamp((total.float() + 1e-6) / max_norm, min=1.0)
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.grad_scale
     return norm

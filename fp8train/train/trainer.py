@@ -30,9 +30,10 @@ from ..export import export_hf
 from .checkpoint import find_latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainConfig, config_to_dict
 from .distributed import World
+from .loss import use_loss
 from .metrics import MetricsLogger, Throughput, flops_per_token, peak_memory_gib, peak_tflops
 from .model import build_model, load_model_tokenizer, parallelize_model
-from .optim import build_optimizer, build_scheduler, clip_grad_norm
+from .optim import build_optimizer, build_scheduler, optimizer_step
 from .resume import plan_resume
 
 __all__ = ["NonFiniteLossError", "TrainResult", "Trainer", "train"]
@@ -115,6 +116,8 @@ class Trainer:
         parallelize_model(self.model, activation_checkpointing=cfg.train.activation_checkpointing,
                           compile=cfg.train.compile, cuda_graphs=cfg.train.cuda_graphs,
                           shard=self.world.shard if self.world.sharded else None)
+        # The loss runs inside the model's forward call (FSDP2 gathers the head there), chunked by default.
+        use_loss(self.model, cfg.train.loss_impl, chunk_tokens=cfg.train.loss_chunk_tokens, compile=cfg.train.compile)
         self.model.train()
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, self.total_steps)
@@ -186,6 +189,10 @@ class Trainer:
     def _to_device(self, batch: dict) -> dict:
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
 
+    def next_micro_batches(self) -> list[dict]:
+        """The next global batch of the sampler: this rank's micro-batches, as `train_step` takes them."""
+        return self._micro_batches(next(self._batches))
+
     def _micro_batches(self, indices: list[int]) -> list[dict]:
         local = rank_slice(indices, self.world.rank, self.world.world_size)
         mb = self.cfg.train.micro_batch
@@ -222,9 +229,10 @@ class Trainer:
                 health.update(stats)
                 loss_sum += out.loss.detach().float()
         loss = float(world.all_reduce_sum(loss_sum))
-        grad_norm = clip_grad_norm(self.model, self.cfg.optim.grad_clip)
+        # Clip and step (the clip folded into a fused AdamW's step); no update for a non-finite loss or norm.
+        grad_norm = optimizer_step(self.optimizer, self.model.parameters(), self.cfg.optim.grad_clip,
+                                   skip=not math.isfinite(loss))
         if math.isfinite(loss) and math.isfinite(grad_norm):
-            self.optimizer.step()
             self._nonfinite_in_a_row = 0
         else:
             self.optimizer.zero_grad(set_to_none=True)
@@ -282,7 +290,7 @@ class Trainer:
         throughput = Throughput(self.device, peak_tflops(self.device, fp8), self.world.world_size)
         try:
             while self.step < self.total_steps:
-                batches = self._micro_batches(next(self._batches))
+                batches = self.next_micro_batches()
                 step = self.step + 1
                 track = fp8 and t.health_every > 0 and step % t.health_every == 0
                 loss, grad_norm, health = self.train_step(batches, track_health=track)

@@ -1,0 +1,237 @@
+"""The chunked LM head + loss (fp8train/train/loss.py) against an FP64 reference and the plain HF path.
+
+The reference and its first-order BF16 error bound are `reference_and_bound` of benchmarks/lm_head_loss.py
+(the GPU benchmark checks every implementation with the same function); its docstring derives the bound:
+rounding h, W and the logits to BF16 with FP32 accumulation gives |dz| <= (3u + K 2**-24) |h| |W|^T
+(u = 2**-8), which bounds the loss, the softmax's and so the logits gradient's error, and through the two
+gradient GEMMs (BF16 operands, BF16-rounded products) the errors of grad_h and grad_W elementwise. The
+tests allow 1.25x the bound (second-order terms) plus 2**-20 of the largest reference value (FP32
+exp/log and sums), check that the plain HF path meets the same bound, and that the bound is informative.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fp8train.train.loss import linear_cross_entropy, use_loss
+from fp8train.train.model import ModelConfig, build_model
+
+VOCAB = 320
+_BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "lm_head_loss.py"
+
+
+def _load_benchmark():
+    spec = importlib.util.spec_from_file_location("lm_head_loss_benchmark", _BENCH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _load_benchmark()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _model(tied: bool):
+    torch.manual_seed(0)
+    return build_model(ModelConfig(source="tiny-qwen2", vocab_size=VOCAB, tie_embeddings=tied))
+
+
+def _batch(batch: int = 3, seq: int = 37, seed: int = 1) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (batch, seq), generator=g)
+    labels = ids.clone()
+    labels[0, :9] = -100   # a masked prompt
+    labels[1, 20:] = -100  # masked tail
+    labels[2, 5:8] = -100  # a hole
+    return {"input_ids": ids, "labels": labels, "position_ids": torch.arange(seq).expand(batch, -1)}
+
+
+def _hidden(model, batch) -> torch.Tensor:
+    """The decoder's final hidden states (FP32 under autocast, as in training), a fresh leaf."""
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        h = model.get_decoder()(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).last_hidden_state
+    assert h.dtype == torch.float32
+    return h.detach().requires_grad_()
+
+
+def _reference(h, w, labels, n):
+    return bench.reference_and_bound(h, w, labels, n, chunk=50)  # chunked like the GPU run
+
+
+def _within(got: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor, what: str) -> None:
+    worst = ((got.double() - ref).abs() / bench.allowance(ref, bound)).max().item()
+    assert worst <= 1.0, f"{what}: error reaches {worst:.2f}x the BF16 bound"
+
+
+def _loss_within(loss: float, ref: float, bound: float, what: str) -> None:
+    assert abs(loss - ref) <= bench.SLACK * bound + 2.0**-20 * ref, what
+
+
+def _chunked(h, w, labels, n, **kw):
+    loss = linear_cross_entropy(h, w, labels, n, **kw)
+    gh, gw = torch.autograd.grad(loss, (h, w))
+    return loss.item(), gh.reshape(-1, gh.shape[-1]), gw
+
+
+def _plain(h, w, labels, n):
+    """Today's HF path: BF16 head under autocast, then HF's ForCausalLMLoss."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = F.linear(h, w)
+        loss = ForCausalLMLoss(logits, labels, w.shape[0], num_items_in_batch=n)
+    gh, gw = torch.autograd.grad(loss, (h, w))
+    return loss.item(), gh.reshape(-1, gh.shape[-1]), gw
+
+
+# ----------------------------------------------------------------------------------- the function
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("chunk", [None, 32, 7])  # one chunk; 111 tokens = 3 x 32 + ragged 15; 16 x 7 - 1
+def test_chunked_loss_and_gradients_within_bf16_bound_of_fp64(tied, chunk):
+    model = _model(tied)
+    batch = _batch()
+    h, w = _hidden(model, batch), model.get_output_embeddings().weight
+    assert (w is model.get_input_embeddings().weight) == tied
+    n = int((batch["labels"][:, 1:] != -100).sum()) + 17  # the global batch's count: other micro-batches too
+    ref_loss, ref_gh, ref_gw, (b_loss, b_gh, b_gw) = _reference(h, w, batch["labels"], n)
+    # the bound is informative: well under the values it bounds
+    assert b_loss < 1e-2 * ref_loss and b_gh.max() < 0.1 * ref_gh.abs().max() and b_gw.max() < 0.1 * ref_gw.abs().max()
+    for name, (loss, gh, gw) in {"chunked": _chunked(h, w, batch["labels"], n, chunk_tokens=chunk),
+                                 "plain HF": _plain(h, w, batch["labels"], n)}.items():
+        _loss_within(loss, ref_loss, b_loss, name)
+        _within(gh, ref_gh, b_gh, f"{name} grad hidden")
+        _within(gw, ref_gw, b_gw, f"{name} grad weight")
+        assert gw.dtype == torch.float32 and gh.dtype == torch.float32
+
+
+def test_one_chunk_is_the_plain_path_bit_for_bit_and_chunks_are_not():
+    model = _model(True)
+    batch = _batch()
+    h, w = _hidden(model, batch), model.get_output_embeddings().weight
+    n = (batch["labels"][:, 1:] != -100).sum()
+    plain = _plain(h, w, batch["labels"], n)
+    one = _chunked(h, w, batch["labels"], n)
+    assert one[0] == plain[0] and torch.equal(one[1], plain[1]) and torch.equal(one[2], plain[2])
+    several = _chunked(h, w, batch["labels"], n, chunk_tokens=32)
+    assert not torch.equal(several[2], plain[2])  # the weight gradient is summed over chunks in FP32
+
+
+def test_upstream_gradient_scales_both_gradients_and_no_grad_gives_the_same_value():
+    model = _model(False)
+    batch = _batch()
+    h, w = _hidden(model, batch), model.get_output_embeddings().weight
+    loss = linear_cross_entropy(h, w, batch["labels"], 50, chunk_tokens=32)
+    gh1, gw1 = torch.autograd.grad(loss, (h, w))
+    loss3 = linear_cross_entropy(h, w, batch["labels"], 50, chunk_tokens=32)
+    gh3, gw3 = torch.autograd.grad(loss3 * 3.0, (h, w))  # as the trainer's loss x world size
+    torch.testing.assert_close(gh3, 3 * gh1, rtol=1e-6, atol=0)
+    torch.testing.assert_close(gw3, 3 * gw1, rtol=1e-6, atol=0)
+    with torch.no_grad():
+        assert linear_cross_entropy(h, w, batch["labels"], 50, chunk_tokens=32).item() == loss.item()
+
+
+def test_divisor_none_is_the_mean_over_targets_like_hf():
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    model = _model(True)
+    batch = _batch()
+    h, w = _hidden(model, batch), model.get_output_embeddings().weight
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        plain = ForCausalLMLoss(F.linear(h, w), batch["labels"], VOCAB).item()
+        ours = linear_cross_entropy(h, w, batch["labels"], chunk_tokens=32).item()
+    assert ours == pytest.approx(plain, rel=1e-6)
+
+
+def test_compiled_chunk_arithmetic_within_bf16_bound_of_fp64():
+    model = _model(False)
+    batch = _batch()
+    h, w = _hidden(model, batch), model.get_output_embeddings().weight
+    n = int((batch["labels"][:, 1:] != -100).sum())
+    ref_loss, ref_gh, ref_gw, (b_loss, b_gh, b_gw) = _reference(h, w, batch["labels"], n)
+    loss, gh, gw = _chunked(h, w, batch["labels"], n, chunk_tokens=32, compile=True)
+    _loss_within(loss, ref_loss, b_loss, "compiled")
+    _within(gh, ref_gh, b_gh, "compiled grad hidden")
+    _within(gw, ref_gw, b_gw, "compiled grad weight")
+
+
+# -------------------------------------------------------------------------------------- the model
+
+
+def _grads(model, batch, n):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(**batch, num_items_in_batch=n)
+    out.loss.backward()
+    return out, {k: p.grad.clone() for k, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_model_forward_uses_it_and_keeps_names_and_tied_weights(tied):
+    base = _model(tied)
+    batch = _batch()
+    n = (batch["labels"][:, 1:] != -100).sum()
+    plain_out, plain = _grads(copy.deepcopy(base), batch, n)
+    assert plain_out.logits.shape == (3, 37, VOCAB)
+    one_model, many_model = copy.deepcopy(base), copy.deepcopy(base)
+    keys = list(one_model.state_dict())
+    use_loss(one_model, "chunked")
+    use_loss(many_model, "chunked", chunk_tokens=32)
+    assert list(one_model.state_dict()) == keys
+    assert (one_model.lm_head.weight is one_model.model.embed_tokens.weight) == tied
+    one_out, one = _grads(one_model, batch, n)
+    assert one_out.logits is None  # never materialized
+    assert one_out.loss.item() == plain_out.loss.item()
+    assert all(torch.equal(one[k], plain[k]) for k in plain)  # embeddings (tied or not), head, every layer
+    many_out, many = _grads(many_model, batch, n)
+    assert many_out.loss.item() == pytest.approx(plain_out.loss.item(), rel=1e-6)
+    for k in plain:  # the head's BF16 rounding differs, and flows back through the layers
+        torch.testing.assert_close(many[k], plain[k], rtol=0, atol=2.0**-7 * plain[k].abs().max().item())
+    # without labels the plain forward runs (logits for generation and evaluation harnesses)
+    with torch.no_grad():
+        logits = one_model(input_ids=batch["input_ids"]).logits
+    assert logits.shape == (3, 37, VOCAB)
+    use_loss(one_model, "hf")
+    assert "forward" not in vars(one_model)
+    copied = copy.deepcopy(many_model)  # the bound forward follows the copy, not the original
+    assert copied.forward.__self__ is copied
+
+
+def test_use_loss_refuses_what_it_cannot_do():
+    model = _model(True)
+    with pytest.raises(ValueError, match="train.loss_impl"):
+        use_loss(model, "fused")
+    try:
+        import liger_kernel.transformers.functional  # noqa: F401
+    except ImportError:
+        with pytest.raises(ValueError, match="train.loss_impl.*liger"):
+            use_loss(model, "liger")
+    biased = _model(False)
+    biased.lm_head = torch.nn.Linear(128, VOCAB, bias=True)
+    with pytest.raises(ValueError, match="bias-free nn.Linear"):
+        use_loss(biased, "chunked")
+
+
+def test_benchmark_runs_on_cpu_and_checks_against_hf(capsys):
+    """benchmarks/lm_head_loss.py's harness (the GPU run's code) on a tiny shape: a ragged chunk too."""
+    assert bench.main(["--device", "cpu", "--shapes", "70x64x320", "--impls", "hf", "chunked", "liger",
+                       "--chunk-tokens", "auto", "32", "--reps", "1", "--warmup", "0"]) == 0
+    table = capsys.readouterr().out.split("| tokens x hidden x vocab |")[1]
+    rows = [line for line in table.splitlines() if line.startswith("| 70x64x320")]
+    assert [r.split(" | ")[1:3] for r in rows] == [["hf", "-"], ["chunked", "70"], ["chunked", "32"]]  # no liger on CPU
+    assert all(r.rstrip().endswith("| ok |") for r in rows)

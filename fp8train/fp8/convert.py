@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
@@ -44,21 +44,39 @@ def _is_decoder_projection(module: nn.Module, fqn: str) -> bool:
     return fqn.rsplit(".", 1)[-1] in DECODER_PROJECTIONS
 
 
+def _decoder_layer_prefixes(model: nn.Module, indices: Sequence[int]) -> dict[str, int]:
+    """{"model.layers.3.": 3, ...} for the decoder layer `indices` (negative ones count from the end)."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise ValueError(f"bf16_layers: {type(model).__name__} has no `model.layers` decoder list")
+    n = len(layers)
+    out = {}
+    for i in indices:
+        if isinstance(i, bool) or not isinstance(i, int) or not -n <= i < n:
+            raise ValueError(f"bf16_layers: {i!r} is not a decoder layer index of a {n}-layer model ({-n}..{n - 1})")
+        out[f"model.layers.{i % n}."] = i % n
+    return out
+
+
 def convert_to_fp8(
     model: nn.Module,
     recipe: "str | Fp8Recipe" = "hybrid",
     module_filter_fn: Callable[[nn.Module, str], bool] | None = None,
+    *,
+    bf16_layers: Sequence[int] = (),
 ) -> ConversionReport:
     """Swap eligible nn.Linear modules of `model` for FP8Linear, keeping the same Parameter objects.
 
     module_filter_fn(module, fqn) -> bool picks the Linears to convert; the default picks the decoder
-    projections (q/k/v/o, gate/up/down). The LM head is never converted. Returns a report of what was
-    converted and why the rest was skipped. With recipe "bf16" nothing is converted.
+    projections (q/k/v/o, gate/up/down). `bf16_layers` keeps the listed decoder layers (indices into
+    `model.model.layers`; -1 is the last) entirely in BF16. The LM head is never converted. Returns a report
+    of what was converted and why the rest was skipped. With recipe "bf16" nothing is converted.
     """
     recipe = make_recipe(recipe)
     report = ConversionReport(recipe.name.value)
     if not recipe.enabled:
         return report
+    kept_layers = _decoder_layer_prefixes(model, bf16_layers) if bf16_layers else {}
     wanted = module_filter_fn or _is_decoder_projection
     lm_head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     input_cache = WeakIdKeyDictionary()  # shared by siblings that read the same tensor (q/k/v, gate/up)
@@ -71,6 +89,8 @@ def convert_to_fp8(
             report.skipped[fqn] = "LM head stays BF16"
         elif not wanted(module, fqn):
             report.skipped[fqn] = "not selected by the filter"
+        elif any(fqn.startswith(prefix) for prefix in kept_layers):
+            report.skipped[fqn] = f"bf16_layers: decoder layers {sorted(kept_layers.values())}"
         elif module.in_features % 16 or module.out_features % 16:
             report.skipped[fqn] = "dims not multiples of 16"
         else:

@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 import sys
 
 __all__ = ["main", "build_parser", "keep_freed_memory"]
 
-# Errors of the user's making: print the message, not a traceback (--traceback shows it anyway).
-_USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, FileExistsError)
+# Errors of the user's making (a config, a file, data, a missing optional package): one line and exit code 2.
+# The code raises these with a message that names the key or file; anything else is a bug of ours and
+# keeps its traceback (exit code 1). --traceback shows the traceback of any error.
+_USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, OSError, ModuleNotFoundError)
 
 
 def _run_train(args: argparse.Namespace) -> int:
@@ -33,6 +36,7 @@ def _run_train(args: argparse.Namespace) -> int:
     bad = [o for o in overrides if "=" not in o]
     if bad:
         raise ValueError(f"overrides must be key=value, got {bad}")
+    args.overrides = overrides  # errors after loading name the override they come from
     cfg = load_config(config, overrides)
 
     from .train.trainer import train
@@ -44,6 +48,17 @@ def _run_train(args: argparse.Namespace) -> int:
           + (f", val_loss {result.val_loss:.4f}" if result.val_loss is not None else "")
           + (f", {result.skipped_steps} skipped steps" if result.skipped_steps else ""))
     return 0
+
+
+def _blame_override(message: str, overrides: list[str]) -> str:
+    """Prefix an error that names a dotted key set on the command line with the override as typed."""
+    for item in sorted(overrides, key=lambda o: -len(o.partition("=")[0])):
+        key = item.partition("=")[0].strip()
+        if item in message:
+            return message
+        if re.search(rf"(?<![\w.]){re.escape(key)}(?![\w])", message):
+            return f"{item} (command line): {message}"
+    return message
 
 
 def _run_plot(args: argparse.Namespace) -> int:
@@ -159,8 +174,13 @@ def main(argv: list[str] | None = None) -> int:
     except (*_USER_ERRORS, CorruptCheckpointError, NonFiniteLossError) as e:
         if args.traceback:
             raise
-        print(f"fp8train {args.command}: error: {e}", file=sys.stderr)
-        return 2 if isinstance(e, ValueError) else 1
+        message = " ".join(str(e).split()) or type(e).__name__  # one line, whatever the message held
+        if isinstance(e, ModuleNotFoundError) and "pip install" not in message:
+            message += f" (pip install {e.name or 'the missing package'})"
+        if args.command == "train":
+            message = _blame_override(message, getattr(args, "overrides", []))
+        print(f"fp8train {args.command}: error: {message}", file=sys.stderr)
+        return 1 if isinstance(e, NonFiniteLossError) else 2
     except KeyboardInterrupt:
         print(f"fp8train {args.command}: interrupted", file=sys.stderr)
         return 130

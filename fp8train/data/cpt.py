@@ -143,13 +143,13 @@ class CptDataConfig:
         if isinstance(self.paths, str):
             self.paths = [self.paths]
         if not self.paths:
-            raise ValueError("CptDataConfig.paths is empty: give at least one file or folder")
+            raise ValueError("data.paths is empty: give at least one file or folder")
         if self.seq_len < 2:
-            raise ValueError(f"CptDataConfig.seq_len must be >= 2, got {self.seq_len}")
+            raise ValueError(f"data.seq_len must be >= 2, got {self.seq_len}")
         if not 0.0 <= self.val_fraction < 1.0:
-            raise ValueError(f"CptDataConfig.val_fraction must be in [0, 1), got {self.val_fraction}")
+            raise ValueError(f"data.val_fraction must be in [0, 1), got {self.val_fraction}")
         if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"CptDataConfig.max_tokens must be positive, got {self.max_tokens}")
+            raise ValueError(f"data.max_tokens must be positive, got {self.max_tokens}")
 
 
 def _list_files(cfg: CptDataConfig) -> list[Path]:
@@ -165,10 +165,10 @@ def _list_files(cfg: CptDataConfig) -> list[Path]:
                 if p.is_file() and any(fnmatch.fnmatch(p.name, pat) for pat in cfg.include)
             )
             if not found:
-                raise ValueError(f"CptDataConfig.paths: folder {path} has no file matching {cfg.include}")
+                raise ValueError(f"data.paths: folder {path} has no file matching {cfg.include}")
             files.extend(found)
         else:
-            raise FileNotFoundError(f"CptDataConfig.paths: {entry}: no such file or directory")
+            raise FileNotFoundError(f"data.paths: {entry}: no such file or directory")
     return list(dict.fromkeys(files))  # a file reached twice is read once
 
 
@@ -185,7 +185,7 @@ def _read_jsonl(path: Path, text_field: str) -> Iterator[tuple[str, int]]:
             text = record.get(text_field) if isinstance(record, dict) else None
             if not isinstance(text, str):
                 raise ValueError(
-                    f"{path}:{lineno}: no string field {text_field!r} (CptDataConfig.text_field)"
+                    f"{path}:{lineno}: no string field {text_field!r} (data.text_field)"
                 )
             yield text, len(raw)
 
@@ -196,7 +196,7 @@ def _read_parquet(path: Path, text_field: str) -> Iterator[tuple[str, int]]:
     pf = pq.ParquetFile(path)
     if text_field not in pf.schema_arrow.names:
         raise ValueError(
-            f"{path}: no column {text_field!r} (CptDataConfig.text_field); columns: {pf.schema_arrow.names}"
+            f"{path}: no column {text_field!r} (data.text_field); columns: {pf.schema_arrow.names}"
         )
     size, rows = path.stat().st_size, max(pf.metadata.num_rows, 1)
     for batch in pf.iter_batches(columns=[text_field], batch_size=1024):
@@ -286,7 +286,7 @@ def _tokenize_to(
         os.fsync(out.fileno())  # the cache is renamed into place only once its bytes are on disk
     bar.close()
     if not lengths:
-        raise ValueError(f"CptDataConfig.paths: no non-empty document in {len(files)} file(s)")
+        raise ValueError(f"data.paths: no non-empty document in {len(files)} file(s)")
     with (tmp / "offsets.npy").open("wb") as f:
         np.save(f, np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
         f.flush()
@@ -339,7 +339,7 @@ def _pack_documents(
     num_rows = int(cum[-1]) // seq_len
     if num_rows == 0:
         raise ValueError(
-            f"CPT {split} split has {int(cum[-1])} tokens, fewer than CptDataConfig.seq_len={seq_len}"
+            f"CPT {split} split has {int(cum[-1])} tokens, fewer than data.seq_len={seq_len}"
         )
     end = num_rows * seq_len
     # A segment is cut at every document start and every row start.
@@ -368,7 +368,7 @@ def build_cpt_datasets(
     num_val = max(1, round(cfg.val_fraction * num_docs)) if cfg.val_fraction > 0 else 0
     if num_val >= num_docs:
         raise ValueError(
-            f"CptDataConfig.val_fraction={cfg.val_fraction} leaves no training document out of {num_docs}"
+            f"data.val_fraction={cfg.val_fraction} leaves no training document out of {num_docs}"
         )
     pack = dict(seq_len=cfg.seq_len, pad_id=tokenizer.eos_token_id, document_masking=cfg.document_masking)
     train = _pack_documents(tokens, offsets, order[num_val:], split="train", **pack)

@@ -57,17 +57,17 @@ class SftDataConfig:
         if isinstance(self.paths, str):
             self.paths = [self.paths]
         if not self.paths:
-            raise ValueError("SftDataConfig.paths is empty: give at least one JSONL file")
+            raise ValueError("data.paths is empty: give at least one JSONL file")
         if self.seq_len < 2:
-            raise ValueError(f"SftDataConfig.seq_len must be >= 2, got {self.seq_len}")
+            raise ValueError(f"data.seq_len must be >= 2, got {self.seq_len}")
         if self.overlong not in ("truncate", "skip"):
-            raise ValueError(f"SftDataConfig.overlong must be 'truncate' or 'skip', got {self.overlong!r}")
+            raise ValueError(f"data.overlong must be 'truncate' or 'skip', got {self.overlong!r}")
         if not 0.0 <= self.val_fraction < 1.0:
-            raise ValueError(f"SftDataConfig.val_fraction must be in [0, 1), got {self.val_fraction}")
+            raise ValueError(f"data.val_fraction must be in [0, 1), got {self.val_fraction}")
         if self.holdout_last < 0:
-            raise ValueError(f"SftDataConfig.holdout_last must be >= 0, got {self.holdout_last}")
+            raise ValueError(f"data.holdout_last must be >= 0, got {self.holdout_last}")
         if self.max_samples is not None and self.max_samples < 1:
-            raise ValueError(f"SftDataConfig.max_samples must be positive, got {self.max_samples}")
+            raise ValueError(f"data.max_samples must be positive, got {self.max_samples}")
 
 
 @dataclass
@@ -110,10 +110,10 @@ def _list_files(paths: list[str]) -> list[Path]:
         elif path.is_dir():
             found = sorted(path.rglob("*.jsonl"))
             if not found:
-                raise ValueError(f"SftDataConfig.paths: folder {path} has no *.jsonl file")
+                raise ValueError(f"data.paths: folder {path} has no *.jsonl file")
             files.extend(found)
         else:
-            raise FileNotFoundError(f"SftDataConfig.paths: {entry}: no such file or directory")
+            raise FileNotFoundError(f"data.paths: {entry}: no such file or directory")
     return files
 
 
@@ -139,7 +139,7 @@ def _parse_record(record: object, cfg: SftDataConfig, where: str) -> list[dict[s
     else:
         raise ValueError(
             f"{where}: neither a {cfg.messages_field!r} field nor {cfg.prompt_field!r} + "
-            f"{cfg.response_field!r} fields (SftDataConfig.messages_field / prompt_field / response_field); "
+            f"{cfg.response_field!r} fields (data.messages_field / data.prompt_field / data.response_field); "
             f"has {sorted(record)}"
         )
     if not any(m["role"] == "assistant" for m in chat):
@@ -164,7 +164,7 @@ def _read_samples(cfg: SftDataConfig) -> list[tuple[str, list[dict[str, str]]]]:
                     raise ValueError(f"{where}: malformed JSON ({e})") from None
                 samples.append((where, _parse_record(record, cfg, where)))
     if not samples:
-        raise ValueError(f"SftDataConfig.paths: no samples in {[str(p) for p in cfg.paths]}")
+        raise ValueError(f"data.paths: no samples in {[str(p) for p in cfg.paths]}")
     return samples
 
 
@@ -268,7 +268,7 @@ def build_sft_datasets(
     samples = _read_samples(cfg)
     if cfg.holdout_last >= len(samples):
         raise ValueError(
-            f"SftDataConfig.holdout_last={cfg.holdout_last} leaves none of {len(samples)} samples"
+            f"data.holdout_last={cfg.holdout_last} leaves none of {len(samples)} samples"
         )
     stats = SftStats(num_holdout=cfg.holdout_last, seq_len=cfg.seq_len)
     samples = samples[: len(samples) - cfg.holdout_last][: cfg.max_samples]
@@ -277,7 +277,7 @@ def build_sft_datasets(
     num_val = max(1, round(cfg.val_fraction * len(samples))) if cfg.val_fraction > 0 else 0
     if num_val >= len(samples):
         raise ValueError(
-            f"SftDataConfig.val_fraction={cfg.val_fraction} leaves no training sample of {len(samples)}"
+            f"data.val_fraction={cfg.val_fraction} leaves no training sample of {len(samples)}"
         )
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if pad_id is None:

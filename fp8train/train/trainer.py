@@ -27,10 +27,11 @@ from ..data import GlobalBatchSampler, build_cpt_datasets, build_sft_datasets, c
 from ..fp8.convert import cache_fp8_weights, convert_to_fp8
 from ..fp8.health import track_fp8_health
 from ..fp8.recipe import make_recipe
+from ..threads import cpu_threads
 from .checkpoint import export_hf, find_latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainConfig, config_to_dict
 from .metrics import MetricsLogger, Throughput, flops_per_token, peak_memory_gib, peak_tflops
-from .model import build_model, load_model_tokenizer, parallelize_model
+from .model import PRESETS, build_model, check_weights_match, load_model_tokenizer, parallelize_model
 from .optim import build_optimizer, build_scheduler, clip_grad_norm
 
 log = logging.getLogger(__name__)
@@ -84,7 +85,7 @@ class TrainResult:
 
 def _pick_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("config key 'device' is 'cuda' but no CUDA device is available")
+        raise ValueError("config key 'device' is 'cuda' but no CUDA device is available")
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     return torch.device(name)
@@ -95,6 +96,25 @@ def _build_datasets(cfg: TrainConfig, tokenizer):
         train, val = build_cpt_datasets(cfg.data, tokenizer, cfg.seed)
         return train, val, None
     return build_sft_datasets(cfg.data, tokenizer, cfg.seed)
+
+
+def _check_run_dir(run_dir: Path) -> None:
+    """run_dir (or a folder above it) being a file would fail only at the first write: say so now."""
+    for path in (run_dir, *run_dir.parents):
+        if path.exists():
+            if path.is_dir():
+                return
+            where = "is a file" if path == run_dir else f"cannot be created: {path} is a file"
+            raise FileExistsError(f"config key 'run_dir': {run_dir} {where}; run_dir names the folder that receives "
+                                  "config.yaml, metrics.jsonl, checkpoints/ and final/, so pick another path")
+
+
+def _check_seq_len(cfg: TrainConfig, model: nn.Module) -> None:
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit is not None and cfg.data is not None and cfg.data.seq_len > limit:
+        raise ValueError(f"config key 'data.seq_len' ({cfg.data.seq_len}) is above the model's "
+                         f"max_position_embeddings ({limit}); lower data.seq_len"
+                         + (" or raise model.max_seq_len" if cfg.model.source in PRESETS else ""))
 
 
 def _count_targets(batch: dict) -> torch.Tensor:
@@ -118,9 +138,15 @@ class Trainer:
         self.ckpt_root = self.run_dir / "checkpoints"
         self.device = _pick_device(cfg.device)
         self.dtype = torch.bfloat16
+        _check_run_dir(self.run_dir)
         torch.manual_seed(cfg.seed)
 
         self.tokenizer = tokenizer if tokenizer is not None or model is not None else load_model_tokenizer(cfg.model)
+        # The model before the data: a bad source or shape fails before tokenizing, and nothing is written
+        # before the config, the model and the data are known good.
+        torch.manual_seed(cfg.seed)  # the model init does not depend on what ran before
+        self.model = model if model is not None else build_model(cfg.model, self.tokenizer)
+        _check_seq_len(cfg, self.model)
         data_stats = None
         if train_data is None:
             train_data, val_data, data_stats = _build_datasets(cfg, self.tokenizer)
@@ -130,8 +156,6 @@ class Trainer:
         self.train_data, self.val_data = train_data, val_data
         self.total_steps = self._total_steps()
 
-        torch.manual_seed(cfg.seed)  # the model init does not depend on how much data loading drew
-        self.model = model if model is not None else build_model(cfg.model, self.tokenizer)
         self.model.to(self.device)
         self.fp8_report = convert_to_fp8(self.model, make_recipe(cfg.recipe, pow2_scale=cfg.pow2_scale))
         parallelize_model(self.model, activation_checkpointing=cfg.train.activation_checkpointing,
@@ -174,6 +198,8 @@ class Trainer:
         path = find_latest_checkpoint(self.ckpt_root) if mode.lower() == "auto" else Path(mode)
         if path is None:
             return
+        if (path / "model").is_dir():  # a checkpoint of another model: one line naming both shapes
+            check_weights_match(self.model, path / "model", f"checkpoint {path}")
         from .distributed import is_sharded_checkpoint, load_sharded, load_single_process_checkpoint
 
         written_sharded = is_sharded_checkpoint(path)
@@ -400,7 +426,13 @@ class Trainer:
 
 
 def train(cfg: TrainConfig, **kwargs) -> TrainResult:
-    """Build a `Trainer` from `cfg` and run it to the end; under torchrun, on every rank with FSDP2."""
+    """Build a `Trainer` from `cfg` and run it to the end; under torchrun, on every rank with FSDP2.
+    On a CPU, torch uses `cfg.cpu_threads` threads meanwhile."""
+    with cpu_threads(cfg.cpu_threads if _pick_device(cfg.device).type == "cpu" else None):
+        return _train(cfg, **kwargs)
+
+
+def _train(cfg: TrainConfig, **kwargs) -> TrainResult:
     from . import distributed as dist
 
     info = dist.init_distributed(cfg.distributed)

@@ -52,8 +52,8 @@ def _run_train(args: argparse.Namespace) -> int:
 
 def _blame_override(message: str, overrides: list[str]) -> str:
     """Prefix an error that names a dotted key set on the command line with the override as typed."""
-    for item in sorted(overrides, key=lambda o: -len(o.partition("=")[0])):
-        key = item.partition("=")[0].strip()
+    typed = {o.partition("=")[0].strip(): o for o in overrides}  # the last one of a key is the one in force
+    for key, item in sorted(typed.items(), key=lambda kv: -len(kv[0])):
         if item in message:
             return message
         if re.search(rf"(?<![\w.]){re.escape(key)}(?![\w])", message):

@@ -254,3 +254,17 @@ def test_export_and_eval_refuse_truncated_weights(hf_dirs, tmp_path, capsys):
     line = _fails_in_one_line(["eval", str(tmp_path / "nope"), "--data", str(problems), "--out", str(out)], capsys,
                               "does not exist", unwritten=[out])
     assert "repo" not in line.lower()
+
+
+def test_refusals_before_any_data_is_read(hf_dirs, tmp_path, capsys, byte_tokenizer, corpus):
+    nothing = [tmp_path / "run", tmp_path / "cache"]
+    _fails_in_one_line(_train_argv(tmp_path, byte_tokenizer, corpus, "train.steps=4"), capsys,
+                       "train.steps=4 (command line): optim.warmup_steps (2 steps) plus optim.decay_steps (3 steps) "
+                       "exceed the 4 total steps", unwritten=nothing)
+    line = _fails_in_one_line(_train_argv(tmp_path, byte_tokenizer, corpus, f"model.source={hf_dirs['good']}",
+                                          "data.seq_len=1024"), capsys, "max_position_embeddings (512)",
+                              unwritten=nothing)
+    assert "data.seq_len=1024 (command line)" in line and "(1024)" in line
+    (tmp_path / "run").write_text("not a folder")
+    _fails_in_one_line(_train_argv(tmp_path, byte_tokenizer, corpus), capsys, "is a file; run_dir names the folder",
+                       unwritten=[tmp_path / "cache"])

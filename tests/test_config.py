@@ -144,3 +144,59 @@ def test_help_lists_every_key_with_its_docstring():
         assert f"  {key}:" in text, key
     assert "Stop with an error after this many NaN/Inf steps" in text
     assert "stage: cpt | sft = cpt" in text
+
+
+def test_errors_say_where_the_value_came_from(tmp_path):
+    with pytest.raises(ConfigError) as e:  # from the command line: the override as typed, never the file
+        load_config(CONFIGS / "tiny_cpt.yaml", ["data.val_fraction=2"])
+    assert str(e.value).startswith("data.val_fraction=2 (command line): data.val_fraction must be in [0, 1)")
+    assert "tiny_cpt.yaml" not in str(e.value) and "CptDataConfig" not in str(e.value)
+    with pytest.raises(ConfigError, match=r"^save_every=0 \(command line\): unknown config key 'save_every'"):
+        load_config(CONFIGS / "tiny_cpt.yaml", ["save_every=0"])
+    path = tmp_path / "c.yaml"  # from the file: file:line of the key, and its dotted name
+    path.write_text("stage: cpt\ndata:\n  paths: [x]\n  val_fraction: 3\ntrain: {steps: 5}\n")
+    with pytest.raises(ConfigError, match=r"c\.yaml:4: data\.val_fraction must be in \[0, 1\), got 3\.0$"):
+        load_config(path)
+    path.write_text("stage: sft\ndata:\n  paths: [x]\n  holdout_last: -1\ntrain: {steps: 5}\n")
+    with pytest.raises(ConfigError, match=r"c\.yaml:4: data\.holdout_last must be >= 0"):
+        load_config(path)
+
+
+def test_checks_that_need_no_data_run_at_load():
+    with pytest.raises(ConfigError, match=r"^train\.steps=3 \(command line\): optim\.warmup_steps .* 3 total steps"):
+        load_config(None, ["stage=cpt", "data.paths=[x]", "train.steps=3", "optim.warmup_steps=5"])
+    with pytest.raises(ConfigError, match=r"optim\.decay_steps \(4 steps\) exceed the 6 total"):
+        load_config(None, CPT + ["train.steps=6", "optim.warmup_steps=3", "optim.decay_steps=4"])
+    with pytest.raises(ConfigError, match=r"'data\.seq_len' \(4096\) is above the model's max_position_embeddings "
+                                          r"\('model\.max_seq_len' = 2048\)"):
+        load_config(None, CPT + ["data.seq_len=4096", "model.max_seq_len=2048"])
+
+
+def test_globs_on_the_command_line_need_no_inner_quotes():
+    assert load_config(None, CPT + ["data.include=[*.txt, *.md]"]).data.include == ["*.txt", "*.md"]
+    assert load_config(None, CPT + ["data.include=*.txt"]).data.include == ["*.txt"]
+    with pytest.raises(ConfigError, match=r"override 'optim\.lr=\[1,': the value is not valid YAML"):
+        load_config(None, CPT + ["optim.lr=[1,"])
+
+
+def test_input_paths_are_relative_to_the_config_file(tmp_path, monkeypatch):
+    (tmp_path / "cfg").mkdir()
+    path = tmp_path / "cfg" / "c.yaml"
+    path.write_text("stage: cpt\nrun_dir: runs/x\nresume: auto\nmodel: {source: tiny-qwen2, tokenizer: ../tok}\n"
+                    "data: {paths: [../corpus, /abs/file.txt, ~/home.txt], cache_dir: .cache/t}\ntrain: {steps: 5}\n")
+    monkeypatch.chdir(tmp_path / "cfg")  # anywhere else than the config's folder
+    monkeypatch.chdir("/")
+    cfg = load_config(path)
+    assert cfg.data.paths == [str(tmp_path / "corpus"), "/abs/file.txt", "~/home.txt"]
+    assert cfg.model.tokenizer == str(tmp_path / "tok") and cfg.model.source == "tiny-qwen2"
+    assert (cfg.run_dir, cfg.data.cache_dir, cfg.resume) == ("runs/x", ".cache/t", "auto")  # outputs: the cwd
+    monkeypatch.chdir(tmp_path)  # overrides: relative to the working directory
+    cfg = load_config(path, ["data.paths=[here.txt]", "model.tokenizer=qwen2.5", "model.source=tiny-llama"])
+    assert cfg.data.paths == [str(tmp_path / "here.txt")]
+    assert (cfg.model.tokenizer, cfg.model.source) == ("qwen2.5", "tiny-llama")
+
+
+def test_shipped_configs_point_at_files_that_exist():
+    for name in ("tiny_cpt.yaml", "tiny_sft.yaml"):
+        cfg = load_config(CONFIGS / name)
+        assert cfg.data.paths and all(Path(p).exists() for p in cfg.data.paths), (name, cfg.data.paths)

@@ -10,8 +10,7 @@ import torch
 import fp8train.eval.runner as runner
 from fp8train.eval import Completion, EvalConfig, add_cli, extract_math_answer, load_problems, math_equal, run_eval
 
-_SHARED_GSM8K = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "gsm8k" / "train.jsonl"
-GSM8K = _SHARED_GSM8K if _SHARED_GSM8K.is_file() else Path(__file__).parent / "data" / "gsm8k_tiny.jsonl"
+GSM8K = Path(__file__).resolve().parents[1] / "configs" / "data" / "gsm8k" / "train_320.jsonl"  # shipped
 
 
 @pytest.fixture(scope="module")

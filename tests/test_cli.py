@@ -268,3 +268,20 @@ def test_refusals_before_any_data_is_read(hf_dirs, tmp_path, capsys, byte_tokeni
     (tmp_path / "run").write_text("not a folder")
     _fails_in_one_line(_train_argv(tmp_path, byte_tokenizer, corpus), capsys, "is a file; run_dir names the folder",
                        unwritten=[tmp_path / "cache"])
+
+
+def test_a_binary_program_is_not_trained_on(tmp_path, capsys, byte_tokenizer, corpus):
+    import sys
+
+    _fails_in_one_line(_train_argv(tmp_path, byte_tokenizer, corpus, f"data.paths=[{sys.executable}]"), capsys,
+                       f"data.paths: {Path(sys.executable).resolve()} is not text (NUL bytes",
+                       unwritten=[tmp_path / "run"])
+
+
+def test_cpt_from_one_large_text_file(tmp_path, capsys, byte_tokenizer):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(f"{a} + {b} = {a + b}." for a in range(40) for b in range(8)))
+    argv = _train_argv(tmp_path, byte_tokenizer, corpus, "data.include=[*.txt]", "train.steps=6",
+                       "train.eval_every=0", "train.save_every=0", "train.health_every=0")
+    assert main(argv) == 0
+    assert "val_loss" in capsys.readouterr().out

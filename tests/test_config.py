@@ -200,3 +200,19 @@ def test_shipped_configs_point_at_files_that_exist():
     for name in ("tiny_cpt.yaml", "tiny_sft.yaml"):
         cfg = load_config(CONFIGS / name)
         assert cfg.data.paths and all(Path(p).exists() for p in cfg.data.paths), (name, cfg.data.paths)
+
+
+def test_hf_dataset_section(tmp_path):
+    cfg = load_config(None, ["stage=sft", "train.steps=3", "data.hf_dataset.name=someone/chats",
+                             "data.hf_dataset.split=test", "data.hf_dataset.column=conversation"])
+    h = cfg.data.hf_dataset
+    assert (cfg.data.paths, h.name, h.config, h.split, h.column) == ([], "someone/chats", None, "test", "conversation")
+    (tmp_path / "local_ds").mkdir()
+    path = tmp_path / "c.yaml"
+    path.write_text("stage: cpt\ndata: {hf_dataset: {name: local_ds}}\ntrain: {steps: 3}\n")
+    assert load_config(path).data.hf_dataset.name == str(tmp_path / "local_ds")  # a folder beside the config
+    with pytest.raises(ConfigError, match=r"c\.yaml:2: missing required config key 'data\.hf_dataset\.name'"):
+        path.write_text("stage: cpt\ndata: {hf_dataset: {split: train}}\ntrain: {steps: 3}\n")
+        load_config(path)
+    with pytest.raises(ConfigError, match=r"data\.paths is empty.*data\.hf_dataset"):
+        load_config(None, ["stage=sft", "train.steps=3", "data.paths=[]"])

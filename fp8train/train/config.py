@@ -468,10 +468,12 @@ def _where(e: ConfigError, path: Path | None, lines: dict[str, int], overrides: 
             return f"{typed[0]} (command line): {e}"
     if path is None:
         return str(e)
-    for key in e.keys:
-        line = lines.get(key) or lines.get(re.sub(r"\[\d+\]$", "", key))
-        if line:
-            return f"{path}:{line}: {e}"
+    for key in e.keys:  # the key's line, else its section's (a missing key)
+        key = re.sub(r"\[\d+\]$", "", key) if key not in lines else key
+        while key and key not in lines:
+            key = key.rpartition(".")[0]
+        if key:
+            return f"{path}:{lines[key]}: {e}"
     return f"{path}: {e}"
 
 
@@ -538,9 +540,10 @@ def _help_lines(cls: type, prefix: str, out: list[str]) -> None:
         if not f.init:
             continue
         key, tp = _join(prefix, f.name), hints[f.name]
-        if is_dataclass(tp):
-            out.append(f"\n[{key}]  {docs.get(f.name, '')}")
-            _help_lines(tp, key, out)
+        section = _optional_section(tp)
+        if is_dataclass(tp) or section is not None:
+            out.append(f"  {key}: section{' = null (optional)' if section else ''}\n      {docs.get(f.name, '')}")
+            _help_lines(section or tp, key, out)
             continue
         if f.default is not dataclasses.MISSING:
             default = yaml.safe_dump(_plain(f.default), default_flow_style=True).strip().removesuffix("...").strip()
@@ -549,6 +552,14 @@ def _help_lines(cls: type, prefix: str, out: list[str]) -> None:
         else:
             default = "(required)"
         out.append(f"  {key}: {_type_name(tp)} = {default}\n      {docs.get(f.name, '')}")
+
+
+def _optional_section(tp: Any) -> type | None:
+    """The dataclass of an optional section (`X | None`), else None."""
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if typing.get_origin(tp) in (typing.Union, types.UnionType) and len(args) == 1 and is_dataclass(args[0]):
+        return args[0]
+    return None
 
 
 def format_config_help() -> str:

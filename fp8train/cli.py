@@ -97,11 +97,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
     p.set_defaults(func=_run_train)
 
-    p = sub.add_parser("plot", help="overlay the loss curves of runs (FP8 vs BF16)")
-    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
-    p.add_argument("-o", "--output", required=True, metavar="FILE.png")
-    p.add_argument("--smooth", type=float, default=0.0, help="EMA factor for training curves, in [0, 1)")
-    p.add_argument("--title", default=None)
+    p = sub.add_parser("plot", help="overlay the loss curves of runs (FP8 vs BF16)",
+                       description="Overlay the training loss (left) and validation loss (right) of training runs, "
+                       "read from each RUN_DIR/metrics.jsonl, e.g. `fp8train plot runs/fp8 runs/bf16 -o loss.png`.")
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
+                   help="run directories of `fp8train train` (each holds metrics.jsonl); the legend names each by "
+                        "its folder and recipe")
+    p.add_argument("-o", "--output", required=True, metavar="FILE.png",
+                   help="image to write; .png is appended unless the name ends in a format matplotlib writes "
+                        "(.png, .svg, .pdf, ...)")
+    p.add_argument("--smooth", type=float, default=0.0,
+                   help="EMA factor for the training curves, in [0, 1) (default 0: raw; the raw curve stays "
+                        "faintly behind a smoothed one)")
+    p.add_argument("--title", default=None, help="figure title (default: none)")
     p.set_defaults(func=_run_plot)
 
     p = sub.add_parser("demo", help="a small real FP8-vs-BF16 CPT run on Python's standard library sources",

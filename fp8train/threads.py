@@ -2,10 +2,12 @@
 
 torch starts one OpenMP thread per physical core, and its threads spin-wait between parallel regions.
 For the small models a CPU trains and samples, a second thread gains little, and on a machine whose
-cores are busy with anything else the spinning threads wait for each other: measured on a shared 2-core
-VM, eval of a tiny Qwen2 ran 6.6x and SFT of the tiny config 2.5x slower with torch's default (2 threads)
-than with one, and `demo` took 4m36s against 1m58s. Commands that own their process therefore pick one
-thread on a CPU (`cpu_threads` in a training config, `--threads` for eval and demo; 0 = torch's default).
+cores are busy with anything else the spinning threads wait for each other. Measured on a shared 2-core
+VM (load average about 7), one thread against torch's default of two: `fp8train eval` of the tiny SFT
+model on 16 GSM8K problems, 29 s against 78 s; SFT of configs/tiny_sft.yaml, 225 against 92 tokens/s;
+`fp8train demo`, 1m58s against 4m36s (issue 17 saw eval 6.6x slower). Commands that own their process
+therefore pick one thread on a CPU (`cpu_threads` in a training config, `--threads` for eval and demo;
+0 = torch's default).
 """
 
 from __future__ import annotations

@@ -285,3 +285,52 @@ def test_cpt_from_one_large_text_file(tmp_path, capsys, byte_tokenizer):
                        "train.eval_every=0", "train.save_every=0", "train.health_every=0")
     assert main(argv) == 0
     assert "val_loss" in capsys.readouterr().out
+
+
+def test_train_runs_with_the_configured_cpu_threads(tmp_path, monkeypatch, byte_tokenizer, corpus):
+    from fp8train.train import trainer as trainer_module
+
+    seen = []
+
+    def fit(self):
+        seen.append(torch.get_num_threads())
+        return trainer_module.TrainResult(self.run_dir, 0)
+
+    monkeypatch.setattr(trainer_module.Trainer, "fit", fit)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for threads in ("1", "0"):
+            assert main(_train_argv(tmp_path, byte_tokenizer, corpus, f"cpu_threads={threads}")) == 0
+            assert torch.get_num_threads() == 2  # restored after the run
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [1, 2]
+
+
+def test_plot_writes_the_file_it_names_and_documents_its_arguments(cpt_runs, tmp_path, capsys):
+    assert main(["plot", str(cpt_runs["bf16"]), "-o", str(tmp_path / "p4")]) == 0
+    out = capsys.readouterr().out
+    assert (tmp_path / "p4.png").read_bytes()[:4] == b"\x89PNG" and not (tmp_path / "p4").exists()
+    assert f"wrote {tmp_path / 'p4.png'}" in out
+    assert main(["plot", str(cpt_runs["bf16"]), "-o", str(tmp_path / "p.svg")]) == 0
+    assert (tmp_path / "p.svg").read_text().lstrip().startswith("<?xml")
+    with pytest.raises(SystemExit):
+        main(["plot", "--help"])
+    text = capsys.readouterr().out
+    for words in ("RUN_DIR", "metrics.jsonl", "--output", ".png", "--smooth", "EMA", "--title"):
+        assert words in text, words
+
+
+def test_progress_bar_shows_the_current_steps_loss(tmp_path, capsys):
+    import time
+
+    from fp8train.train.metrics import MetricsLogger
+
+    logger = MetricsLogger(tmp_path, total_steps=3, tensorboard=False, progress=True)
+    for step, loss in ((1, 9.8765), (2, 5.4321), (3, 1.2345)):
+        time.sleep(0.15)  # past tqdm's minimum refresh interval: every update draws
+        logger.progress(step, loss, 1e-3, 100.0)
+        shown = capsys.readouterr().err.split("\r")[-1]
+        assert f"loss={loss:.4f}" in shown and f"{step}/3" in shown, shown
+    logger.close()

@@ -119,12 +119,13 @@ def _stop_ids(tokenizer, model_dir: str) -> list[int]:
     return sorted(ids)
 
 
-def _generate_hf(model_dir: str, tokenizer, prompts: list[str], cfg: SamplingConfig, add_special: bool):
+def _generate_hf(model_dir: str, tokenizer, prompts: list[str], cfg: SamplingConfig, add_special: bool,
+                 device: str | None = None):
     from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM
 
     stop = _stop_ids(tokenizer, model_dir)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     # device_map puts an fp8-block export straight on the GPU (FP8 GEMMs); on CPU it is dequantized.
     extra = {"device_map": device} if device == "cuda" else {}
     try:
@@ -135,7 +136,9 @@ def _generate_hf(model_dir: str, tokenizer, prompts: list[str], cfg: SamplingCon
     enc = tokenizer(prompts, add_special_tokens=add_special)["input_ids"]
     jobs = [(p, s) for p in range(len(prompts)) for s in range(cfg.samples)]
     jobs.sort(key=lambda j: -len(enc[j[0]]))  # similar lengths share a batch: less padding
-    kwargs = dict(max_new_tokens=cfg.max_new_tokens, eos_token_id=stop, pad_token_id=pad_id, do_sample=not cfg.greedy)
+    # use_cache: a training checkpoint's config says False (training needs no KV cache); generating does.
+    kwargs = dict(max_new_tokens=cfg.max_new_tokens, eos_token_id=stop, pad_token_id=pad_id, do_sample=not cfg.greedy,
+                  use_cache=True)
     if not cfg.greedy:  # top_k=0: plain nucleus sampling, whatever the model's generation_config says
         kwargs.update(temperature=cfg.temperature, top_p=cfg.top_p, top_k=0)
     results: list[list[Completion | None]] = [[None] * cfg.samples for _ in prompts]
@@ -160,7 +163,8 @@ def _generate_hf(model_dir: str, tokenizer, prompts: list[str], cfg: SamplingCon
     return results
 
 
-def _generate_vllm(model_dir: str, tokenizer, prompts: list[str], cfg: SamplingConfig, add_special: bool):
+def _generate_vllm(model_dir: str, tokenizer, prompts: list[str], cfg: SamplingConfig, add_special: bool,
+                   device: str | None = None):
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=model_dir, seed=cfg.seed)
@@ -176,7 +180,11 @@ def _generate_vllm(model_dir: str, tokenizer, prompts: list[str], cfg: SamplingC
 
 
 def generate(model_dir: str, tokenizer, prompts: list[str], cfg: SamplingConfig, backend: str = "hf",
-             add_special_tokens: bool = False) -> list[list[Completion]]:
-    """`cfg.samples` completions for each prompt string, in prompt order."""
+             add_special_tokens: bool = False, device: str | None = None) -> list[list[Completion]]:
+    """`cfg.samples` completions for each prompt string, in prompt order.
+
+    transformers batches prompts of similar length with left padding and a KV cache, on `device` (default:
+    CUDA when available, else the CPU); vLLM places the model itself.
+    """
     fn = _generate_vllm if backend == "vllm" else _generate_hf
-    return fn(str(model_dir), tokenizer, prompts, cfg, add_special_tokens)
+    return fn(str(model_dir), tokenizer, prompts, cfg, add_special_tokens, device)

@@ -137,7 +137,7 @@ def _load_local(path: Path) -> PreTrainedTokenizerFast:
     else:
         raise ValueError(f"{path}: a tokenizer source must be a directory or a .gguf file")
     if not isinstance(tokenizer, PreTrainedTokenizerFast):
-        raise TypeError(f"{path}: got {type(tokenizer).__name__}, fp8train needs a fast (Rust) tokenizer")
+        raise ValueError(f"{path}: got {type(tokenizer).__name__}, fp8train needs a fast (Rust) tokenizer")
     return tokenizer
 
 

@@ -198,11 +198,11 @@ class Trainer:
         path = find_latest_checkpoint(self.ckpt_root) if mode.lower() == "auto" else Path(mode)
         if path is None:
             return
-        if (path / "model").is_dir():  # a checkpoint of another model: one line naming both shapes
-            check_weights_match(self.model, path / "model", f"checkpoint {path}")
         from .distributed import is_sharded_checkpoint, load_sharded, load_single_process_checkpoint
 
         written_sharded = is_sharded_checkpoint(path)
+        if not written_sharded and (path / "model").is_dir():  # another model's checkpoint: one line, both shapes
+            check_weights_match(self.model, path / "model", f"checkpoint {path}")
         if written_sharded or self.world.sharded:  # any checkpoint resumes at any world size
             load = load_sharded if written_sharded else load_single_process_checkpoint
             state = load(path, self.model, self.optimizer)

@@ -53,7 +53,7 @@ from fp8train.fp8.convert import DECODER_PROJECTIONS, convert_to_fp8
 from fp8train.fp8.health import summarize_fp8_health
 from fp8train.data import (CptDataConfig, SftDataConfig, build_cpt_datasets, build_sft_datasets, collate,
                            load_tokenizer, read_sft_holdout)
-from fp8train.eval import extract_gold, extract_math_answer, math_equal, render_prompts
+from fp8train.eval import SamplingConfig, extract_gold, extract_math_answer, generate, math_equal, render_prompts
 from fp8train.train.metrics import read_jsonl
 from fp8train.train.model import ModelConfig, build_model
 from fp8train.train.optim import OptimConfig
@@ -377,35 +377,12 @@ def _steps(seconds: float, tokens_per_step: int, rates: list[float], scale: Scal
 # ------------------------------------------------------------------------------------------- eval
 
 
-@torch.inference_mode()
 def generate_greedy(model_dir: Path, tokenizer, prompts: list[str], max_new_tokens: int, batch_size: int, device):
-    """Greedy completions, batched with left padding, with a KV cache (the exported config says
-    use_cache=False, which `generate` would otherwise follow). Returns (text, finished, new tokens)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16).to(device).eval()
-    vocab = tokenizer.get_vocab()
-    stop = sorted({tokenizer.eos_token_id} | {vocab[t] for t in ("<|im_end|>", "<|endoftext|>") if t in vocab})
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop[0]
-    enc = tokenizer(prompts, add_special_tokens=False)["input_ids"]
-    order = sorted(range(len(prompts)), key=lambda i: -len(enc[i]))
-    out: list = [None] * len(prompts)
-    for b in range(0, len(order), batch_size):
-        idx = order[b:b + batch_size]
-        width = max(len(enc[i]) for i in idx)
-        ids = torch.full((len(idx), width), pad, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for r, i in enumerate(idx):
-            ids[r, width - len(enc[i]):], mask[r, width - len(enc[i]):] = torch.tensor(enc[i]), 1
-        gen = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
-                             do_sample=False, use_cache=True, eos_token_id=stop, pad_token_id=pad)
-        for r, i in enumerate(idx):
-            new = gen[r, width:].tolist()
-            end = next((j for j, t in enumerate(new) if t in stop), None)
-            kept = new if end is None else new[:end]
-            out[i] = (tokenizer.decode(kept, skip_special_tokens=True), end is not None, len(kept))
-    del model
-    return out
+    """Greedy completions through fp8train.eval's generation (batched, left padding, KV cache); returns
+    (text, finished, new tokens without the stop token) per prompt."""
+    cfg = SamplingConfig(samples=1, greedy=True, max_new_tokens=max_new_tokens, batch_size=batch_size)
+    outs = generate(model_dir, tokenizer, prompts, cfg, backend="hf", device=str(device))
+    return [(c.text, c.finished, c.num_tokens - c.finished) for (c,) in outs]
 
 
 def score(outputs: list, golds: list[str]) -> dict:

@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 import sys
 
 __all__ = ["main", "build_parser", "keep_freed_memory"]
 
-# Errors of the user's making: print the message, not a traceback (--traceback shows it anyway).
-_USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, FileExistsError)
+# Errors of the user's making (a config, a file, data, a missing optional package): one line and exit code 2.
+# The code raises these with a message that names the key or file; anything else is a bug of ours and
+# keeps its traceback (exit code 1). --traceback shows the traceback of any error.
+_USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, OSError, ModuleNotFoundError)
 
 
 def _run_train(args: argparse.Namespace) -> int:
@@ -33,6 +36,7 @@ def _run_train(args: argparse.Namespace) -> int:
     bad = [o for o in overrides if "=" not in o]
     if bad:
         raise ValueError(f"overrides must be key=value, got {bad}")
+    args.overrides = overrides  # errors after loading name the override they come from
     cfg = load_config(config, overrides)
 
     from .train.trainer import train
@@ -44,6 +48,17 @@ def _run_train(args: argparse.Namespace) -> int:
           + (f", val_loss {result.val_loss:.4f}" if result.val_loss is not None else "")
           + (f", {result.skipped_steps} skipped steps" if result.skipped_steps else ""))
     return 0
+
+
+def _blame_override(message: str, overrides: list[str]) -> str:
+    """Prefix an error that names a dotted key set on the command line with the override as typed."""
+    typed = {o.partition("=")[0].strip(): o for o in overrides}  # the last one of a key is the one in force
+    for key, item in sorted(typed.items(), key=lambda kv: -len(kv[0])):
+        if item in message:
+            return message
+        if re.search(rf"(?<![\w.]){re.escape(key)}(?![\w])", message):
+            return f"{item} (command line): {message}"
+    return message
 
 
 def _run_plot(args: argparse.Namespace) -> int:
@@ -82,11 +97,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
     p.set_defaults(func=_run_train)
 
-    p = sub.add_parser("plot", help="overlay the loss curves of runs (FP8 vs BF16)")
-    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
-    p.add_argument("-o", "--output", required=True, metavar="FILE.png")
-    p.add_argument("--smooth", type=float, default=0.0, help="EMA factor for training curves, in [0, 1)")
-    p.add_argument("--title", default=None)
+    p = sub.add_parser("plot", help="overlay the loss curves of runs (FP8 vs BF16)",
+                       description="Overlay the training loss (left) and validation loss (right) of training runs, "
+                       "read from each RUN_DIR/metrics.jsonl, e.g. `fp8train plot runs/fp8 runs/bf16 -o loss.png`.")
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
+                   help="run directories of `fp8train train` (each holds metrics.jsonl); the legend names each by "
+                        "its folder and recipe")
+    p.add_argument("-o", "--output", required=True, metavar="FILE.png",
+                   help="image to write; .png is appended unless the name ends in a format matplotlib writes "
+                        "(.png, .svg, .pdf, ...)")
+    p.add_argument("--smooth", type=float, default=0.0,
+                   help="EMA factor for the training curves, in [0, 1) (default 0: raw; the raw curve stays "
+                        "faintly behind a smoothed one)")
+    p.add_argument("--title", default=None, help="figure title (default: none)")
     p.set_defaults(func=_run_plot)
 
     p = sub.add_parser("demo", help="a small real FP8-vs-BF16 CPT run on Python's standard library sources",
@@ -159,8 +182,13 @@ def main(argv: list[str] | None = None) -> int:
     except (*_USER_ERRORS, CorruptCheckpointError, NonFiniteLossError) as e:
         if args.traceback:
             raise
-        print(f"fp8train {args.command}: error: {e}", file=sys.stderr)
-        return 2 if isinstance(e, ValueError) else 1
+        message = " ".join(str(e).split()) or type(e).__name__  # one line, whatever the message held
+        if isinstance(e, ModuleNotFoundError) and "pip install" not in message:
+            message += f" (pip install {e.name or 'the missing package'})"
+        if args.command == "train":
+            message = _blame_override(message, getattr(args, "overrides", []))
+        print(f"fp8train {args.command}: error: {message}", file=sys.stderr)
+        return 1 if isinstance(e, NonFiniteLossError) else 2
     except KeyboardInterrupt:
         print(f"fp8train {args.command}: interrupted", file=sys.stderr)
         return 130

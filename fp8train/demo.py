@@ -27,6 +27,7 @@ from .data import CptDataConfig, build_cpt_datasets, load_tokenizer
 from .train.model import ModelConfig
 from .train.optim import OptimConfig
 from .plot import plot_runs
+from .threads import cpu_threads
 from .train.trainer import Trainer
 
 __all__ = ["DemoConfig", "run_demo", "stdlib_sources"]
@@ -49,9 +50,8 @@ class DemoConfig:
     seed: int = 0
     """Model init and data order, shared by both runs."""
     cpu_threads: int | None = 1
-    """torch threads on a CPU, restored afterwards; None keeps torch's default. One thread: the tiny
-    model gains little from a second, and spin-waiting OpenMP threads slow down 2-5x on a busy machine
-    (measured on a shared 2-core VM: 1m58s with one thread against 4m36s with two)."""
+    """torch threads on a CPU, restored afterwards; None or 0 keeps torch's default (`fp8train.threads`
+    says why one: on a shared 2-core VM the demo took 1m58s with one thread against 4m36s with two)."""
 
 
 # (model overrides, seq_len, global_batch, micro_batch, steps, peak lr, source bytes, token budget)
@@ -111,13 +111,8 @@ def run_demo(demo: DemoConfig | None = None) -> dict:
     """Run the FP8 and BF16 jobs and the plot; return {recipe: {"loss", "val_loss", "seconds"}}."""
     demo = demo or DemoConfig()
     device = demo.device if demo.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    threads = torch.get_num_threads()
-    if device == "cpu" and demo.cpu_threads:
-        torch.set_num_threads(demo.cpu_threads)
-    try:
+    with cpu_threads(demo.cpu_threads if device == "cpu" else None):
         return _run(demo, device)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _run(demo: DemoConfig, device: str) -> dict:

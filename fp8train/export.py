@@ -37,9 +37,11 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from .data.tokenizer import TOKENIZER_FILES
 from .fp8.quant import quantize
 from .train import files as fs
 from .train.checkpoint import hf_model_dir, save_model_dir
+from .train.model import weight_files
 
 __all__ = ["EXPORT_FORMATS", "FP8_BLOCK", "export_checkpoint", "export_hf", "add_cli"]
 
@@ -47,11 +49,7 @@ EXPORT_FORMATS = ("hf", "fp8-block")
 FP8_BLOCK = (128, 128)
 _PROJ_GROUPS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
 _PROJ_NAMES = {name: group for group in _PROJ_GROUPS for name in group}
-_TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-    "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",
-    "generation_config.json",
-)
+_COPIED_FILES = (*TOKENIZER_FILES, "generation_config.json")
 
 
 def _resolve_model_dir(src: Path) -> Path:
@@ -66,18 +64,7 @@ def _resolve_model_dir(src: Path) -> Path:
 
 
 def _weight_files(model_dir: Path) -> list[Path]:
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        files = [model_dir / n for n in names]
-        missing = [str(f) for f in files if not f.is_file()]
-        if missing:
-            raise FileNotFoundError(f"export: {index} names shards that do not exist: {missing}")
-        return files
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"export: no *.safetensors weights in {model_dir}")
-    return files
+    return weight_files(model_dir, "export")  # complete files only: a truncated one is named, not exported
 
 
 def _read_tensors(model_dir: Path):
@@ -196,7 +183,7 @@ def export_checkpoint(
         save_torch_state_dict(sd, tmp, max_shard_size=max_shard_size)
         del sd
         _write_config(model_dir, tmp, format, summary, pow2_scale)
-        for name in _TOKENIZER_FILES:
+        for name in _COPIED_FILES:
             if (model_dir / name).is_file():
                 shutil.copyfile(model_dir / name, tmp / name)  # contents only: the umask's permissions
         fs.commit(tmp, out)

@@ -54,7 +54,8 @@ def _ema(values: list[float], alpha: float) -> list[float]:
 
 def plot_runs(run_dirs: list[str | os.PathLike], out: str | os.PathLike, *, smooth: float = 0.0,
               title: str | None = None) -> Path:
-    """Write a PNG with training loss (left) and validation loss (right) of every run overlaid.
+    """Write a figure with training loss (left) and validation loss (right) of every run overlaid; returns
+    the path written: `out`, with `.png` appended unless its suffix is a format matplotlib writes (.svg, .pdf).
 
     smooth: EMA factor in [0, 1) for the training curves (the raw curve is drawn faintly behind).
     """
@@ -96,6 +97,8 @@ def plot_runs(run_dirs: list[str | os.PathLike], out: str | os.PathLike, *, smoo
         fig.suptitle(title)
     fig.tight_layout()
     out = Path(out)
+    if out.suffix[1:].lower() not in fig.canvas.get_supported_filetypes():
+        out = out.with_name(out.name + ".png")  # as matplotlib would write it, but named so
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=120)
     plt.close(fig)

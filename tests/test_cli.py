@@ -114,10 +114,11 @@ def test_sft_end_to_end(tmp_path, byte_tokenizer):
     (["train", str(TINY_CONFIG), "optim.lrr=1"], 2, "unknown config key 'optim.lrr' (did you mean 'optim.lr'?)"),
     (["train", str(TINY_CONFIG), "train.micro_batch=3"], 2, "'train.global_batch' (8) must be a multiple"),
     (["train", "missing.yaml"], 2, "config file missing.yaml does not exist"),
-    (["train", str(TINY_CONFIG), "data.paths=[/no/such/dir]", "train.steps=1"], 1, "no such file or directory"),
+    (["train", str(TINY_CONFIG), "data.paths=[/no/such/dir]"], 2,
+     "data.paths=[/no/such/dir] (command line): data.paths: /no/such/dir: no such file or directory"),
     (["train"], 2, "give a config file"),
     (["train", str(TINY_CONFIG), "--no-progress", "train.stepz=1"], 2, "did you mean 'train.steps'"),
-    (["plot", "/no/such/run", "-o", "x.png"], 1, "metrics.jsonl does not exist"),
+    (["plot", "/no/such/run", "-o", "x.png"], 2, "metrics.jsonl does not exist"),
 ])
 def test_cli_errors_are_one_line_messages(argv, code, message, capsys, tmp_path, monkeypatch, byte_tokenizer):
     monkeypatch.chdir(tmp_path)
@@ -164,3 +165,172 @@ def test_demo_flow_end_to_end_scaled_down(tmp_path, monkeypatch, byte_tokenizer,
         assert r["loss"] < r["first_loss"] and r["val_loss"] is not None
     assert (tmp_path / "loss.png").read_bytes()[:4] == b"\x89PNG"
     assert (tmp_path / "fp8_hybrid" / "final" / "config.json").is_file() and (tmp_path / "bf16" / "metrics.jsonl").is_file()
+
+
+# ------------------------------------------------------------------ bad input: one line, exit 2, nothing written
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory, byte_tokenizer) -> dict[str, Path]:
+    """A tiny saved model, and broken copies: no weights, truncated weights, config.json that disagrees."""
+    from fp8train.data import load_tokenizer
+    from fp8train.train.model import ModelConfig, build_model
+
+    root = tmp_path_factory.mktemp("hf_dirs")
+    tok = load_tokenizer(str(byte_tokenizer))
+    torch.manual_seed(0)
+    good = root / "good"
+    model = build_model(ModelConfig(source="tiny-qwen2", max_seq_len=512), tok)
+    model.save_pretrained(good)
+    tok.save_pretrained(good)
+    dirs = {"good": good}
+    for name in ("no_weights", "truncated", "shape"):
+        dirs[name] = root / name
+        dirs[name].mkdir()
+        for f in good.iterdir():
+            (dirs[name] / f.name).write_bytes(f.read_bytes())
+    (dirs["no_weights"] / "model.safetensors").unlink()
+    data = (good / "model.safetensors").read_bytes()
+    (dirs["truncated"] / "model.safetensors").write_bytes(data[: len(data) // 2])
+    cfg = json.loads((good / "config.json").read_text())
+    (dirs["shape"] / "config.json").write_text(json.dumps(cfg | {"intermediate_size": 384}))
+    return dirs
+
+
+def _fails_in_one_line(argv: list[str], capsys, message: str, *, code: int = 2, unwritten=()) -> str:
+    assert main(argv) == code
+    captured = capsys.readouterr()
+    err = captured.err.strip()
+    assert "Traceback" not in captured.err + captured.out
+    last = err.splitlines()[-1]
+    assert last.startswith(f"fp8train {argv[0]}: error: ") and message in last, err
+    for path in unwritten:
+        assert not Path(path).exists(), f"{path} was written"
+    return last
+
+
+def _train_argv(tmp_path, byte_tokenizer, corpus, *extra) -> list[str]:
+    """The tiny CPT run in `tmp_path` (its own token cache, tmp_path/cache), `extra` overrides last."""
+    return ["train", "--no-progress", str(TINY_CONFIG), *tiny_overrides(
+        tmp_path, byte_tokenizer, corpus, **{"train.steps": 8, "data.cache_dir": tmp_path / "cache"}), *extra]
+
+
+@pytest.mark.parametrize("broken,message", [
+    ("no_weights", "has config.json but no *.safetensors weights"),
+    ("truncated", "model.safetensors: not a complete safetensors file"),
+    ("shape", "model.layers.0.mlp.gate_proj.weight"),
+])
+def test_train_refuses_broken_model_source(broken, message, hf_dirs, tmp_path, capsys, byte_tokenizer, corpus):
+    line = _fails_in_one_line(_train_argv(tmp_path, byte_tokenizer, corpus, f"model.source={hf_dirs[broken]}"),
+                              capsys, message, unwritten=[tmp_path / "run", tmp_path / "cache"])
+    assert "model.source" in line and str(hf_dirs[broken]) in line
+
+
+def test_train_refuses_rope_breaking_preset_override(tmp_path, capsys, byte_tokenizer, corpus):
+    line = _fails_in_one_line(_train_argv(tmp_path, byte_tokenizer, corpus, "model.hidden_size=100"), capsys,
+                              "head dimension", unwritten=[tmp_path / "run"])
+    assert "model.hidden_size=100" in line  # the override the user typed
+
+
+def test_resume_from_a_checkpoint_of_another_shape_is_refused(hf_dirs, tmp_path, capsys, byte_tokenizer, corpus):
+    first = tmp_path / "first"
+    assert main(_train_argv(first, byte_tokenizer, corpus, "train.steps=4", "optim.decay_steps=2",
+                            "train.save_every=4", "train.eval_every=0", "train.health_every=0")) == 0
+    ckpt = first / "run" / "checkpoints" / "step_00000004"
+    assert ckpt.is_dir()
+    _fails_in_one_line(_train_argv(tmp_path, byte_tokenizer, corpus, "model.intermediate_size=384", f"resume={ckpt}"),
+                       capsys, "do not match the model", unwritten=[tmp_path / "run"])
+
+
+def test_export_and_eval_refuse_truncated_weights(hf_dirs, tmp_path, capsys):
+    out = tmp_path / "export"
+    _fails_in_one_line(["export", str(hf_dirs["truncated"]), "-o", str(out)], capsys,
+                       "model.safetensors: not a complete safetensors file", unwritten=[out])
+    problems = tmp_path / "p.jsonl"
+    problems.write_text('{"question": "1 + 1?", "answer": "#### 2"}\n')
+    out = tmp_path / "eval"
+    _fails_in_one_line(["eval", str(hf_dirs["truncated"]), "--data", str(problems), "--out", str(out)], capsys,
+                       "model.safetensors: not a complete safetensors file", unwritten=[out])
+    line = _fails_in_one_line(["eval", str(tmp_path / "nope"), "--data", str(problems), "--out", str(out)], capsys,
+                              "does not exist", unwritten=[out])
+    assert "repo" not in line.lower()
+
+
+def test_refusals_before_any_data_is_read(hf_dirs, tmp_path, capsys, byte_tokenizer, corpus):
+    nothing = [tmp_path / "run", tmp_path / "cache"]
+    _fails_in_one_line(_train_argv(tmp_path, byte_tokenizer, corpus, "train.steps=4"), capsys,
+                       "train.steps=4 (command line): optim.warmup_steps (2 steps) plus optim.decay_steps (3 steps) "
+                       "exceed the 4 total steps", unwritten=nothing)
+    line = _fails_in_one_line(_train_argv(tmp_path, byte_tokenizer, corpus, f"model.source={hf_dirs['good']}",
+                                          "data.seq_len=1024"), capsys, "max_position_embeddings (512)",
+                              unwritten=nothing)
+    assert "data.seq_len=1024 (command line)" in line and "(1024)" in line
+    (tmp_path / "run").write_text("not a folder")
+    _fails_in_one_line(_train_argv(tmp_path, byte_tokenizer, corpus), capsys, "is a file; run_dir names the folder",
+                       unwritten=[tmp_path / "cache"])
+
+
+def test_a_binary_program_is_not_trained_on(tmp_path, capsys, byte_tokenizer, corpus):
+    import sys
+
+    _fails_in_one_line(_train_argv(tmp_path, byte_tokenizer, corpus, f"data.paths=[{sys.executable}]"), capsys,
+                       f"data.paths: {Path(sys.executable).resolve()} is not text (NUL bytes",
+                       unwritten=[tmp_path / "run"])
+
+
+def test_cpt_from_one_large_text_file(tmp_path, capsys, byte_tokenizer):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(f"{a} + {b} = {a + b}." for a in range(40) for b in range(8)))
+    argv = _train_argv(tmp_path, byte_tokenizer, corpus, "data.include=[*.txt]", "train.steps=6",
+                       "train.eval_every=0", "train.save_every=0", "train.health_every=0")
+    assert main(argv) == 0
+    assert "val_loss" in capsys.readouterr().out
+
+
+def test_train_runs_with_the_configured_cpu_threads(tmp_path, monkeypatch, byte_tokenizer, corpus):
+    from fp8train.train import trainer as trainer_module
+
+    seen = []
+
+    def fit(self):
+        seen.append(torch.get_num_threads())
+        return trainer_module.TrainResult(self.run_dir, 0)
+
+    monkeypatch.setattr(trainer_module.Trainer, "fit", fit)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for threads in ("1", "0"):
+            assert main(_train_argv(tmp_path, byte_tokenizer, corpus, f"cpu_threads={threads}")) == 0
+            assert torch.get_num_threads() == 2  # restored after the run
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [1, 2]
+
+
+def test_plot_writes_the_file_it_names_and_documents_its_arguments(cpt_runs, tmp_path, capsys):
+    assert main(["plot", str(cpt_runs["bf16"]), "-o", str(tmp_path / "p4")]) == 0
+    out = capsys.readouterr().out
+    assert (tmp_path / "p4.png").read_bytes()[:4] == b"\x89PNG" and not (tmp_path / "p4").exists()
+    assert f"wrote {tmp_path / 'p4.png'}" in out
+    assert main(["plot", str(cpt_runs["bf16"]), "-o", str(tmp_path / "p.svg")]) == 0
+    assert (tmp_path / "p.svg").read_text().lstrip().startswith("<?xml")
+    with pytest.raises(SystemExit):
+        main(["plot", "--help"])
+    text = capsys.readouterr().out
+    for words in ("RUN_DIR", "metrics.jsonl", "--output", ".png", "--smooth", "EMA", "--title"):
+        assert words in text, words
+
+
+def test_progress_bar_shows_the_current_steps_loss(tmp_path, capsys):
+    import time
+
+    from fp8train.train.metrics import MetricsLogger
+
+    logger = MetricsLogger(tmp_path, total_steps=3, tensorboard=False, progress=True)
+    for step, loss in ((1, 9.8765), (2, 5.4321), (3, 1.2345)):
+        time.sleep(0.15)  # past tqdm's minimum refresh interval: every update draws
+        logger.progress(step, loss, 1e-3, 100.0)
+        shown = capsys.readouterr().err.split("\r")[-1]
+        assert f"loss={loss:.4f}" in shown and f"{step}/3" in shown, shown
+    logger.close()

@@ -49,7 +49,7 @@ def test_overrides_are_yaml_scalars():
                                    "optim.betas=[0.8, 0.99]", "data.paths=[a.txt, b.txt]", "train.compile=true"])
     assert cfg.optim.lr == 3e-4 and isinstance(cfg.optim.lr, float)  # YAML 1.1 reads 3e-4 as a string
     assert cfg.recipe == "bf16" and cfg.train.keep_last is None and cfg.train.compile is True
-    assert cfg.optim.betas == (0.8, 0.99) and cfg.data.paths == ["a.txt", "b.txt"]
+    assert cfg.optim.betas == (0.8, 0.99) and cfg.data.paths == [str(Path.cwd() / "a.txt"), str(Path.cwd() / "b.txt")]
     assert parse_overrides(["a.b.c=1", "a.b.d=x", "e="]) == {"a": {"b": {"c": 1, "d": "x"}}, "e": None}
 
 
@@ -57,7 +57,7 @@ def test_overrides_win_over_the_file(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("stage: cpt\ndata: {paths: [x], seq_len: 64}\ntrain: {steps: 5, micro_batch: 2}\n")
     cfg = load_config(path, ["data.seq_len=128"])
-    assert (cfg.data.seq_len, cfg.data.paths, cfg.train.micro_batch) == (128, ["x"], 2)
+    assert (cfg.data.seq_len, cfg.data.paths, cfg.train.micro_batch) == (128, [str(tmp_path / "x")], 2)
 
 
 @pytest.mark.parametrize("override,key,hint", [
@@ -79,7 +79,7 @@ def test_unknown_keys_name_the_full_dotted_key(override, key, hint):
 def test_unknown_key_in_yaml_names_file_and_key(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text("stage: cpt\ndata: {paths: [x]}\ntrain: {steps: 5, eval_evry: 2}\n")
-    with pytest.raises(ConfigError, match=r"bad\.yaml: unknown config key 'train\.eval_evry' \(did you mean 'train\.eval_every'"):
+    with pytest.raises(ConfigError, match=r"bad\.yaml:3: unknown config key 'train\.eval_evry' \(did you mean 'train\.eval_every'"):
         load_config(path)
 
 
@@ -100,7 +100,7 @@ def test_override_into_a_scalar_is_an_error():
 ])
 def test_wrong_types_name_the_key(override, key):
     if key is None:
-        assert load_config(None, CPT + [override]).data.paths == ["notalist"]
+        assert load_config(None, CPT + [override]).data.paths == [str(Path.cwd() / "notalist")]
         return
     with pytest.raises(ConfigError, match=f"config key '{key}"):
         load_config(None, CPT + [override])
@@ -144,3 +144,75 @@ def test_help_lists_every_key_with_its_docstring():
         assert f"  {key}:" in text, key
     assert "Stop with an error after this many NaN/Inf steps" in text
     assert "stage: cpt | sft = cpt" in text
+
+
+def test_errors_say_where_the_value_came_from(tmp_path):
+    with pytest.raises(ConfigError) as e:  # from the command line: the override as typed, never the file
+        load_config(CONFIGS / "tiny_cpt.yaml", ["data.val_fraction=2"])
+    assert str(e.value).startswith("data.val_fraction=2 (command line): data.val_fraction must be in [0, 1)")
+    assert "tiny_cpt.yaml" not in str(e.value) and "CptDataConfig" not in str(e.value)
+    with pytest.raises(ConfigError, match=r"^save_every=0 \(command line\): unknown config key 'save_every'"):
+        load_config(CONFIGS / "tiny_cpt.yaml", ["save_every=0"])
+    path = tmp_path / "c.yaml"  # from the file: file:line of the key, and its dotted name
+    path.write_text("stage: cpt\ndata:\n  paths: [x]\n  val_fraction: 3\ntrain: {steps: 5}\n")
+    with pytest.raises(ConfigError, match=r"c\.yaml:4: data\.val_fraction must be in \[0, 1\), got 3\.0$"):
+        load_config(path)
+    path.write_text("stage: sft\ndata:\n  paths: [x]\n  holdout_last: -1\ntrain: {steps: 5}\n")
+    with pytest.raises(ConfigError, match=r"c\.yaml:4: data\.holdout_last must be >= 0"):
+        load_config(path)
+
+
+def test_checks_that_need_no_data_run_at_load():
+    with pytest.raises(ConfigError, match=r"^train\.steps=3 \(command line\): optim\.warmup_steps .* 3 total steps"):
+        load_config(None, ["stage=cpt", "data.paths=[x]", "train.steps=3", "optim.warmup_steps=5"])
+    with pytest.raises(ConfigError, match=r"optim\.decay_steps \(4 steps\) exceed the 6 total"):
+        load_config(None, CPT + ["train.steps=6", "optim.warmup_steps=3", "optim.decay_steps=4"])
+    with pytest.raises(ConfigError, match=r"'data\.seq_len' \(4096\) is above the model's max_position_embeddings "
+                                          r"\('model\.max_seq_len' = 2048\)"):
+        load_config(None, CPT + ["data.seq_len=4096", "model.max_seq_len=2048"])
+
+
+def test_globs_on_the_command_line_need_no_inner_quotes():
+    assert load_config(None, CPT + ["data.include=[*.txt, *.md]"]).data.include == ["*.txt", "*.md"]
+    assert load_config(None, CPT + ["data.include=*.txt"]).data.include == ["*.txt"]
+    with pytest.raises(ConfigError, match=r"override 'optim\.lr=\[1,': the value is not valid YAML"):
+        load_config(None, CPT + ["optim.lr=[1,"])
+
+
+def test_input_paths_are_relative_to_the_config_file(tmp_path, monkeypatch):
+    (tmp_path / "cfg").mkdir()
+    path = tmp_path / "cfg" / "c.yaml"
+    path.write_text("stage: cpt\nrun_dir: runs/x\nresume: auto\nmodel: {source: tiny-qwen2, tokenizer: ../tok}\n"
+                    "data: {paths: [../corpus, /abs/file.txt, ~/home.txt], cache_dir: .cache/t}\ntrain: {steps: 5}\n")
+    monkeypatch.chdir(tmp_path / "cfg")  # anywhere else than the config's folder
+    monkeypatch.chdir("/")
+    cfg = load_config(path)
+    assert cfg.data.paths == [str(tmp_path / "corpus"), "/abs/file.txt", "~/home.txt"]
+    assert cfg.model.tokenizer == str(tmp_path / "tok") and cfg.model.source == "tiny-qwen2"
+    assert (cfg.run_dir, cfg.data.cache_dir, cfg.resume) == ("runs/x", ".cache/t", "auto")  # outputs: the cwd
+    monkeypatch.chdir(tmp_path)  # overrides: relative to the working directory
+    cfg = load_config(path, ["data.paths=[here.txt]", "model.tokenizer=qwen2.5", "model.source=tiny-llama"])
+    assert cfg.data.paths == [str(tmp_path / "here.txt")]
+    assert (cfg.model.tokenizer, cfg.model.source) == ("qwen2.5", "tiny-llama")
+
+
+def test_shipped_configs_point_at_files_that_exist():
+    for name in ("tiny_cpt.yaml", "tiny_sft.yaml"):
+        cfg = load_config(CONFIGS / name)
+        assert cfg.data.paths and all(Path(p).exists() for p in cfg.data.paths), (name, cfg.data.paths)
+
+
+def test_hf_dataset_section(tmp_path):
+    cfg = load_config(None, ["stage=sft", "train.steps=3", "data.hf_dataset.name=someone/chats",
+                             "data.hf_dataset.split=test", "data.hf_dataset.column=conversation"])
+    h = cfg.data.hf_dataset
+    assert (cfg.data.paths, h.name, h.config, h.split, h.column) == ([], "someone/chats", None, "test", "conversation")
+    (tmp_path / "local_ds").mkdir()
+    path = tmp_path / "c.yaml"
+    path.write_text("stage: cpt\ndata: {hf_dataset: {name: local_ds}}\ntrain: {steps: 3}\n")
+    assert load_config(path).data.hf_dataset.name == str(tmp_path / "local_ds")  # a folder beside the config
+    with pytest.raises(ConfigError, match=r"c\.yaml:2: missing required config key 'data\.hf_dataset\.name'"):
+        path.write_text("stage: cpt\ndata: {hf_dataset: {split: train}}\ntrain: {steps: 3}\n")
+        load_config(path)
+    with pytest.raises(ConfigError, match=r"data\.paths is empty.*data\.hf_dataset"):
+        load_config(None, ["stage=sft", "train.steps=3", "data.paths=[]"])

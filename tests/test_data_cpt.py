@@ -225,9 +225,150 @@ def test_bad_inputs(tok, corpus, tmp_path):
     with pytest.raises(ValueError, match="no file matching"):
         cfg = CptDataConfig(paths=[str(tmp_path / "empty")], include=["*.py"], cache_dir=cache)
         build_cpt_datasets(cfg, tok, 0)
-    with pytest.raises(ValueError, match="fewer than CptDataConfig.seq_len=4096"):
+    with pytest.raises(ValueError, match="fewer than data.seq_len=4096"):
         build_cpt_datasets(CptDataConfig(paths=[str(corpus)], seq_len=4096, cache_dir=cache), tok, 0)
     with pytest.raises(ValueError, match="val_fraction"):
         CptDataConfig(paths=["x"], val_fraction=1.0)
     with pytest.raises(ValueError, match="paths is empty"):
         CptDataConfig()
+
+
+# ------------------------------------------------------------------ not text, one big file, datasets sources
+
+
+def _cache(cfg, tok):
+    """The token stream and document offsets of the cache `cfg` builds."""
+    tokens, offsets = cpt_module._load_or_build_cache(cfg, tok)
+    return np.asarray(tokens), offsets
+
+
+def test_a_file_that_is_not_text_is_refused_by_name(tok, tmp_path):
+    cache = str(tmp_path / "cache")
+    binary = tmp_path / "ls"
+    binary.write_bytes(b"\x7fELF\x02\x01\x01\x00" + bytes(range(256)) * 64)  # an executable's kind of bytes
+    with pytest.raises(ValueError, match=rf"data\.paths: {binary} is not text \(NUL bytes"):
+        build_cpt_datasets(CptDataConfig(paths=[str(binary)], cache_dir=cache), tok, 0)
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("Déjà vu à la française, où l'été est très beau. ".encode("latin-1") * 100)
+    with pytest.raises(ValueError, match=rf"{latin1} is not text \(\d+ of its first \d+ bytes are not UTF-8"):
+        build_cpt_datasets(CptDataConfig(paths=[str(latin1)], cache_dir=cache), tok, 0)
+
+
+def test_files_that_are_not_text_in_a_folder_are_skipped_and_counted(tok, tmp_path, caplog):
+    root = tmp_path / "repo"
+    root.mkdir()
+    good = "def f(x):\n    return x + 1\n" * 20
+    (root / "a.py").write_text(good)
+    (root / "b.py").write_bytes(b"\x00\x01\x02 compiled, not source " * 50)
+    (root / "c.txt").write_bytes((b"one stray \xff byte" + b" in long enough text." * 10) * 20)  # 0.5%: kept
+    cfg = CptDataConfig(paths=[str(root)], include=["*.py", "*.txt"], seq_len=8, cache_dir=str(tmp_path / "cache"))
+    with caplog.at_level("WARNING", logger="fp8train.data.cpt"):
+        tokens, offsets = _cache(cfg, tok)
+    assert "skipped 1 file that is not text" in caplog.text and "b.py" in caplog.text
+    assert len(offsets) == 3  # a.py and c.txt
+    text = tok.decode(tokens[tokens != EOS])
+    assert good in text and "\x00" not in text and text.count("\ufffd") == 20
+
+
+def test_one_large_text_file_is_split_for_the_validation_split(tok, tmp_path, caplog):
+    paragraphs = [f"Paragraph {i}: the {'cat' if i % 2 else 'dog'} sat on mat number {i}." for i in range(400)]
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(paragraphs))
+    cfg = CptDataConfig(paths=[str(corpus)], seq_len=32, val_fraction=0.1, cache_dir=str(tmp_path / "cache"))
+    with caplog.at_level("INFO", logger="fp8train.data.cpt"):
+        train, val = build_cpt_datasets(cfg, tok, seed=0)
+    assert "1 document is too few for data.val_fraction=0.1: split into" in caplog.text
+    assert val is not None and 0.07 < len(val) / (len(train) + len(val)) < 0.13
+
+    def spans(ds):  # token ranges of the cache each split reads
+        return {(int(s), int(s + n)) for s, n in zip(ds.seg_starts, ds.seg_lengths)}
+
+    positions = {name: set().union(*(range(a, b) for a, b in spans(ds))) for name, ds in (("t", train), ("v", val))}
+    assert not positions["t"] & positions["v"]  # no token is in both splits
+    again_train, again_val = build_cpt_datasets(cfg, tok, seed=0)
+    assert spans(again_val) == spans(val)  # the same seed holds out the same chunks
+
+
+def test_a_large_text_file_is_read_and_tokenized_in_pieces(tok, tmp_path, monkeypatch):
+    monkeypatch.setattr(cpt_module, "_READ_BYTES", 256)
+    monkeypatch.setattr(cpt_module, "_PIECE_CHARS", 1000)
+    text = "\n\n".join(f"Section {i}.\nSome text, café naïve {i}, and more words." for i in range(300))
+    text += "\n" + "a line without any blank line after it " * 80  # no paragraph break: cut at a newline/anywhere
+    path = tmp_path / "big.txt"
+    path.write_text(text)
+    seen = []
+    encode = cpt_module._encode_batch
+    monkeypatch.setattr(cpt_module, "_encode_batch", lambda t, texts: seen.extend(map(len, texts)) or encode(t, texts))
+    tokens, offsets = _cache(CptDataConfig(paths=[str(path)], seq_len=8, cache_dir=str(tmp_path / "cache")), tok)
+    assert len(seen) > 10 and max(seen) <= 1000 + 256  # never the whole file at once
+    assert len(offsets) == 2 and tokens[-1] == EOS and (tokens == EOS).sum() == 1  # still one document
+    assert tok.decode(tokens[:-1]) == text  # nothing lost or doubled at the cuts
+
+
+@pytest.fixture
+def hf_texts(tmp_path):
+    """Texts as a `datasets` folder (save_to_disk), a lone Arrow file, and a cached Hub dataset."""
+    datasets = pytest.importorskip("datasets")
+    texts = [f"Row {i}: {'lorem ipsum dolor ' * (i % 5 + 1)}end." for i in range(40)]
+    ds = datasets.Dataset.from_dict({"text": texts, "body": [t.upper() for t in texts], "id": list(range(40))})
+    return texts, _hf_sources(datasets, ds, tmp_path)
+
+
+def _hf_sources(datasets, ds, tmp_path) -> dict:
+    """Write `ds` as a save_to_disk folder, an Arrow file, and the local cache of a Hub dataset `someone/corpus`
+    as `load_dataset` leaves it (then readable with HF_HUB_OFFLINE=1)."""
+    import glob
+    import shutil
+
+    from datasets.data_files import DataFilesDict
+    from datasets.packaged_modules.parquet.parquet import Parquet
+
+    ds.save_to_disk(str(tmp_path / "saved"))
+    arrow = tmp_path / "one.arrow"
+    shutil.copy(next((tmp_path / "saved").glob("*.arrow")), arrow)
+    ds.to_parquet(str(tmp_path / "src.parquet"))
+    cache = tmp_path / "hf_cache"
+    builder = Parquet(cache_dir=str(cache / "build"), dataset_name="corpus", config_name="default", hash="0123",
+                      data_files=DataFilesDict.from_patterns({"train": [str(tmp_path / "src.parquet")]}))
+    builder.download_and_prepare()
+    (cache / "someone___corpus").mkdir()
+    shutil.move(glob.glob(str(cache / "build" / "corpus" / "default-*"))[0], cache / "someone___corpus" / "default")
+    return {"saved": tmp_path / "saved", "arrow": arrow, "cache": cache}
+
+
+@pytest.fixture
+def offline(monkeypatch):
+    """No network: any connection attempt fails the test; datasets is told it is offline, as a user would."""
+    import socket
+
+    import datasets
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("tried to reach the network")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+
+
+def test_datasets_folders_arrow_files_and_hub_cache(tok, tmp_path, hf_texts, offline):
+    from fp8train.data import HfDatasetConfig
+
+    texts, src = hf_texts
+    want = _docs(tok, texts)
+    cache = str(tmp_path / "cache")
+    for paths in ([str(src["saved"])], [str(src["arrow"])]):
+        tokens, offsets = _cache(CptDataConfig(paths=paths, seq_len=8, cache_dir=cache), tok)
+        assert [tokens[a:b].tolist() for a, b in zip(offsets[:-1], offsets[1:])] == want, paths
+    hub = HfDatasetConfig(name="someone/corpus", split="train", cache_dir=str(src["cache"]))
+    tokens, offsets = _cache(CptDataConfig(hf_dataset=hub, seq_len=8, cache_dir=cache), tok)
+    assert [tokens[a:b].tolist() for a, b in zip(offsets[:-1], offsets[1:])] == want
+    body = HfDatasetConfig(name="someone/corpus", column="body", cache_dir=str(src["cache"]))
+    tokens, _ = _cache(CptDataConfig(hf_dataset=body, seq_len=8, cache_dir=cache), tok)
+    assert tok.decode(tokens[:len(want[0]) + 3]).startswith(texts[0].upper())
+    tokens, offsets = _cache(CptDataConfig(paths=[str(src["saved"])], hf_dataset=hub, seq_len=8, cache_dir=cache), tok)
+    assert [tokens[a:b].tolist() for a, b in zip(offsets[:-1], offsets[1:])] == want + want  # files, then the dataset
+    with pytest.raises(ValueError, match=r"no column 'content' \(data\.text_field\).*\['text', 'body', 'id'\]"):
+        _cache(CptDataConfig(paths=[str(src["saved"])], text_field="content", cache_dir=cache), tok)
+    with pytest.raises(ValueError, match=r"data\.hf_dataset: 'someone/missing'.*could not be loaded"):
+        _cache(CptDataConfig(hf_dataset=HfDatasetConfig(name="someone/missing", cache_dir=str(src["cache"])),
+                             cache_dir=cache), tok)

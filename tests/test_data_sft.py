@@ -8,7 +8,7 @@ import torch
 from fp8train.data import SftDataConfig, build_sft_datasets, load_tokenizer, read_sft_holdout
 
 IM_END = "<|im_end|>"
-GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "train.jsonl"
+GSM8K = Path(__file__).resolve().parents[1] / "configs" / "data" / "gsm8k" / "train_320.jsonl"  # shipped
 
 CHATS = [
     {"messages": [{"role": "system", "content": "You answer in one line."},
@@ -202,7 +202,6 @@ def test_bad_inputs(tok, tmp_path):
         SftDataConfig(paths=["x"], overlong="cut")
 
 
-@pytest.mark.skipif(not GSM8K.is_file(), reason="GSM8K is not in ../shared/data")
 def test_gsm8k_smoke(tok):
     cfg = SftDataConfig(paths=[str(GSM8K)], prompt_field="question", response_field="answer", seq_len=512,
                         max_samples=200, val_fraction=0.1)
@@ -214,3 +213,38 @@ def test_gsm8k_smoke(tok):
     batch = torch.stack([train[i]["labels"] for i in range(len(train))])
     assert int((batch != -100).sum()) == stats.num_train_label_tokens
     assert np.isclose(stats.num_train_tokens / (len(train) * 512), stats.packing_efficiency)
+
+
+def test_datasets_folders_arrow_files_and_hub_cache(tok, tmp_path, monkeypatch):
+    """SFT reads `messages` or prompt/response columns from a save_to_disk folder, an Arrow file and a
+    cached Hub dataset (offline, the network refused) exactly as from JSONL."""
+    import socket
+
+    datasets = pytest.importorskip("datasets")
+    from fp8train.data import HfDatasetConfig
+    from test_data_cpt import _hf_sources
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("tried to reach the network")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    chats = [[{"role": "user", "content": f"What is {i} + {i}?"}, {"role": "assistant", "content": f"{2 * i}."}]
+             for i in range(12)]
+    reference = build_sft_datasets(SftDataConfig(paths=[str(_write(tmp_path / "c.jsonl", [{"messages": c} for c in chats]))],
+                                                 seq_len=64), tok, seed=0)[0]
+    pairs = {"question": [c[0]["content"] for c in chats], "solution": [c[1]["content"] for c in chats]}
+    for name, ds, extra in (("chats", datasets.Dataset.from_dict({"messages": chats}), {}),
+                            ("pairs", datasets.Dataset.from_dict(pairs), dict(prompt_field="question",
+                                                                             response_field="solution"))):
+        src = _hf_sources(datasets, ds, tmp_path / name)
+        hub = HfDatasetConfig(name="someone/corpus", cache_dir=str(src["cache"]))
+        for cfg in (SftDataConfig(paths=[str(src["saved"])], seq_len=64, **extra),
+                    SftDataConfig(paths=[str(src["arrow"])], seq_len=64, **extra),
+                    SftDataConfig(hf_dataset=hub, seq_len=64, **extra)):
+            train, _, stats = build_sft_datasets(cfg, tok, seed=0)
+            assert stats.num_train == 12, (name, cfg)
+            assert np.array_equal(np.asarray(train.tokens), np.asarray(reference.tokens)), (name, cfg)
+            assert np.array_equal(train.labels, reference.labels), (name, cfg)
+    with pytest.raises(ValueError, match=r"row 0: neither a 'messages' column nor 'prompt' \+ 'response'"):
+        build_sft_datasets(SftDataConfig(paths=[str(tmp_path / "pairs" / "saved")], seq_len=64), tok, seed=0)

@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,8 +11,7 @@ import torch
 import fp8train.eval.runner as runner
 from fp8train.eval import Completion, EvalConfig, add_cli, extract_math_answer, load_problems, math_equal, run_eval
 
-_SHARED_GSM8K = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "gsm8k" / "train.jsonl"
-GSM8K = _SHARED_GSM8K if _SHARED_GSM8K.is_file() else Path(__file__).parent / "data" / "gsm8k_tiny.jsonl"
+GSM8K = Path(__file__).resolve().parents[1] / "configs" / "data" / "gsm8k" / "train_320.jsonl"  # shipped
 
 
 @pytest.fixture(scope="module")
@@ -182,3 +182,68 @@ def test_cli_arguments():
     assert args.force_think is True and args.greedy is False and args.chat_template is False
     assert args.choices_field == ["A", "B"] and args.task == "mc" and callable(args.func)
     assert parser.parse_args(["eval", "M", "--data", "d", "--greedy"]).greedy is True
+
+
+def test_eval_never_overwrites_earlier_results(tmp_path, monkeypatch):
+    """An explicit --out that holds results is refused before any model loads; the default output
+    folder of a repeated eval is a new numbered one."""
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"question": "q1", "answer": "#### 72"}\n')
+    monkeypatch.setattr(runner, "load_tokenizer_for", lambda model: _StubTokenizer())
+    monkeypatch.setattr(runner, "generate", lambda model, tok, prompts, cfg, backend, add_special_tokens:
+                        [[Completion("\\boxed{72}", 5, True)] for _ in prompts])
+    out = tmp_path / "o"
+    first = run_eval(EvalConfig(model="unused", data=str(data), backend="hf", out=str(out)))
+    assert first["out"] == str(out)
+    before = (out / "metrics.json").read_bytes()
+    monkeypatch.setattr(runner, "load_tokenizer_for", lambda model: pytest.fail("loaded a model before refusing"))
+    with pytest.raises(FileExistsError, match=rf"eval: {out} already holds the results of an earlier eval"):
+        run_eval(EvalConfig(model="unused", data=str(data), backend="hf", out=str(out)))
+    assert (out / "metrics.json").read_bytes() == before
+
+    monkeypatch.setattr(runner, "load_tokenizer_for", lambda model: _StubTokenizer())
+    monkeypatch.chdir(tmp_path)
+    outs = [run_eval(EvalConfig(model=str(tmp_path / "m"), data=str(data), backend="hf"))["out"] for _ in range(3)]
+    assert outs == [str(Path("eval_results") / f"m_d{suffix}") for suffix in ("", "_2", "_3")]
+    assert all((tmp_path / o / "metrics.json").is_file() for o in outs)
+
+
+def test_eval_runs_with_the_requested_cpu_threads(tmp_path, monkeypatch):
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"question": "q1", "answer": "#### 72"}\n')
+    seen = []
+    monkeypatch.setattr(runner, "load_tokenizer_for", lambda model: _StubTokenizer())
+    monkeypatch.setattr(runner, "generate", lambda model, tok, prompts, cfg, backend, add_special_tokens:
+                        seen.append(torch.get_num_threads()) or [[Completion("72", 1, True)] for _ in prompts])
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for threads, out in ((1, "a"), (0, "b")):
+            run_eval(EvalConfig(model="m", data=str(data), backend="hf", cpu_threads=threads, out=str(tmp_path / out)))
+            assert torch.get_num_threads() == 2  # restored
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [1, 2]  # one thread by default on a CPU; 0 keeps torch's setting
+    parser = argparse.ArgumentParser()
+    add_cli(parser.add_subparsers())
+    assert parser.parse_args(["eval", "M", "--data", "d"]).cpu_threads == 1
+    assert parser.parse_args(["eval", "M", "--data", "d", "--threads", "0"]).cpu_threads == 0
+
+
+def test_the_fidelity_benchmark_generates_through_the_package(tiny_model, monkeypatch):
+    """benchmarks/fidelity.py has no generation of its own: its greedy answers are fp8train.eval's."""
+    import importlib.util
+
+    from fp8train.eval import SamplingConfig, generate, load_tokenizer_for
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "fidelity.py"
+    spec = importlib.util.spec_from_file_location("fidelity_generation", path)
+    fidelity = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, fidelity)  # its dataclasses look their module up
+    spec.loader.exec_module(fidelity)
+    tok = load_tokenizer_for(tiny_model)
+    prompts = ["What is 2 + 2?", "Name a prime number."]
+    outs = fidelity.generate_greedy(tiny_model, tok, prompts, max_new_tokens=5, batch_size=2, device="cpu")
+    ref = generate(tiny_model, tok, prompts, SamplingConfig(greedy=True, max_new_tokens=5, batch_size=2), device="cpu")
+    assert [o[0] for o in outs] == [r[0].text for r in ref] and any(o[0] for o in outs)
+    assert [(o[1], o[2]) for o in outs] == [(r[0].finished, r[0].num_tokens - r[0].finished) for r in ref]

@@ -1,13 +1,15 @@
 """Continual-pretraining data: documents -> memory-mapped token cache -> fixed-length packed rows.
 
-The cache holds every document's tokens followed by EOS, concatenated, as a flat uint32 memmap
-(`tokens.bin`) plus the document offsets (`offsets.npy`). It is keyed by the input files (path, size,
-mtime), the tokenizer and the reading options, and written atomically, so any number of runs share it.
+A document is a text file, a JSONL line, or a row of a parquet or Arrow table (`sources.py`). The cache
+holds every document's tokens followed by EOS, concatenated, as a flat uint32 memmap (`tokens.bin`) plus
+the document offsets (`offsets.npy`). It is keyed by the inputs (path, size, mtime), the tokenizer and the
+reading options, and written atomically, so any number of runs share it. Reading streams: a large text
+file is read and tokenized in pieces cut at blank lines, tables row batch by row batch.
 """
 
 from __future__ import annotations
 
-import fnmatch
+import codecs
 import hashlib
 import json
 import logging
@@ -24,13 +26,19 @@ from torch.utils.data import Dataset
 from tqdm import tqdm
 from transformers import PreTrainedTokenizerBase
 
+from .sources import HfDatasetConfig, Source, iter_records, list_sources, source_size, source_stats
+
 __all__ = ["CptDataConfig", "PackedDataset", "build_cpt_datasets"]
 
 logger = logging.getLogger(__name__)
 
-_CACHE_VERSION = 1
+_CACHE_VERSION = 2  # 2: text files tokenized in pieces; tables and datasets sources; files that are not text
 _BATCH_DOCS = 512
 _BATCH_CHARS = 4 << 20
+_READ_BYTES = 1 << 20  # a text file is read this much at a time ...
+_PIECE_CHARS = 4 << 20  # ... and tokenized in pieces of about this many characters, cut at a blank line
+_SNIFF_BYTES = 1 << 16  # whether a file is text is decided on its first 64 KiB (as `file` and git do)
+_MAX_INVALID = 0.01  # a text file may hold at most this fraction of bytes that are not UTF-8 (become U+FFFD)
 
 
 class PackedDataset(Dataset):
@@ -121,19 +129,23 @@ class CptDataConfig:
     """Continual-pretraining data."""
 
     paths: list[str] = field(default_factory=list)
-    """Text, JSONL or parquet files, or folders searched recursively for files matching `include`."""
+    """Text, JSONL, parquet or Arrow files, `datasets` folders (save_to_disk), or folders searched recursively
+    for files matching `include`. Relative paths in a config file are relative to that file."""
     include: list[str] = field(
-        default_factory=lambda: ["*.txt", "*.md", "*.rst", "*.py", "*.jsonl", "*.parquet"]
+        default_factory=lambda: ["*.txt", "*.md", "*.rst", "*.py", "*.jsonl", "*.parquet", "*.arrow"]
     )
     """File-name glob patterns selecting files inside folders (files named in `paths` are always read)."""
+    hf_dataset: HfDatasetConfig | None = None
+    """A dataset read with `datasets.load_dataset` (section: name, config, split, column, cache_dir), after `paths`."""
     text_field: str = "text"
-    """The text field of JSONL records and the text column of parquet files."""
+    """The text field of JSONL records and the text column of parquet and Arrow tables."""
     seq_len: int = 2048
     """Tokens per packed row."""
     document_masking: bool = True
     """Restart position_ids after each EOS so that no token attends across documents."""
     val_fraction: float = 0.0
-    """Fraction of documents held out for validation (chosen by the seed); 0 disables validation."""
+    """Fraction of documents held out for validation (chosen by the seed); 0 disables validation. Too few
+    documents for it (one large file) are split into chunks of seq_len tokens, and the log says so."""
     cache_dir: str = ".cache/tokens"
     """Folder of the token caches, shared by runs that read the same files with the same tokenizer."""
     max_tokens: int | None = None
@@ -142,78 +154,87 @@ class CptDataConfig:
     def __post_init__(self):
         if isinstance(self.paths, str):
             self.paths = [self.paths]
-        if not self.paths:
-            raise ValueError("CptDataConfig.paths is empty: give at least one file or folder")
+        if not self.paths and self.hf_dataset is None:
+            raise ValueError("data.paths is empty: give at least one file or folder (or a data.hf_dataset)")
         if self.seq_len < 2:
-            raise ValueError(f"CptDataConfig.seq_len must be >= 2, got {self.seq_len}")
+            raise ValueError(f"data.seq_len must be >= 2, got {self.seq_len}")
         if not 0.0 <= self.val_fraction < 1.0:
-            raise ValueError(f"CptDataConfig.val_fraction must be in [0, 1), got {self.val_fraction}")
+            raise ValueError(f"data.val_fraction must be in [0, 1), got {self.val_fraction}")
         if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"CptDataConfig.max_tokens must be positive, got {self.max_tokens}")
+            raise ValueError(f"data.max_tokens must be positive, got {self.max_tokens}")
 
 
-def _list_files(cfg: CptDataConfig) -> list[Path]:
-    files: list[Path] = []
-    for entry in cfg.paths:
-        path = Path(entry).expanduser()
-        if path.is_file():
-            files.append(path.resolve())
-        elif path.is_dir():
-            found = sorted(
-                p.resolve()
-                for p in path.rglob("*")
-                if p.is_file() and any(fnmatch.fnmatch(p.name, pat) for pat in cfg.include)
-            )
-            if not found:
-                raise ValueError(f"CptDataConfig.paths: folder {path} has no file matching {cfg.include}")
-            files.extend(found)
-        else:
-            raise FileNotFoundError(f"CptDataConfig.paths: {entry}: no such file or directory")
-    return list(dict.fromkeys(files))  # a file reached twice is read once
+def _sources(cfg: CptDataConfig) -> list[Source]:
+    return list_sources(cfg.paths, cfg.include, other="text", hf=cfg.hf_dataset)
 
 
-def _read_jsonl(path: Path, text_field: str) -> Iterator[tuple[str, int]]:
+class _NotText(ValueError):
+    """A file that is not UTF-8 text."""
+
+
+def _not_text(head: bytes) -> str | None:
+    """Why the first bytes of a file say it is not text, or None."""
+    if b"\x00" in head:
+        return f"NUL bytes in its first {len(head)} bytes"
+    text = head.decode("utf-8", errors="replace")
+    invalid = text.count("\ufffd") - head.count("\ufffd".encode()) - 3  # a character cut at the end is fine
+    if invalid > _MAX_INVALID * len(head):
+        return f"{invalid} of its first {len(head)} bytes are not UTF-8"
+    return None
+
+
+def _read_text(path: Path) -> Iterator[tuple[str, int, bool]]:
+    """(text, bytes read, last piece) of a text file, in pieces of about _PIECE_CHARS characters cut after
+    a blank line (else a newline, else anywhere), so that a large file never sits in memory whole."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")  # rare bad bytes become U+FFFD
     with path.open("rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            if not raw.strip():
-                yield "", len(raw)
-                continue
+        head = f.read(_SNIFF_BYTES)
+        reason = _not_text(head)
+        if reason:
+            raise _NotText(f"{path} is not text ({reason})")
+        pending, nbytes, block = decoder.decode(head), len(head), head
+        while block:
+            block = f.read(_READ_BYTES)
+            pending += decoder.decode(block, final=not block)
+            nbytes += len(block)
+            while len(pending) >= _PIECE_CHARS:
+                cut = pending.rfind("\n\n", 0, _PIECE_CHARS)
+                cut = cut + 2 if cut > 0 else pending.rfind("\n", 0, _PIECE_CHARS) + 1 or _PIECE_CHARS
+                yield pending[:cut], nbytes, False
+                pending, nbytes = pending[cut:], 0
+    yield pending, nbytes, True
+
+
+def _text_column(text_field: str):
+    def pick(names: list[str], where: str) -> list[str]:
+        if text_field not in names:
+            raise ValueError(f"{where}: no column {text_field!r} (data.text_field); columns: {names}")
+        return [text_field]
+
+    return pick
+
+
+def _iter_documents(sources: list[Source], text_field: str, skipped: list[str]) -> Iterator[tuple[str, int, bool]]:
+    """(text, bytes read, ends a document) per piece: a text file in one or more pieces, a JSONL line, a table
+    row. A file that is not text is an error when data.paths names it, else skipped and added to `skipped`."""
+    for src in sources:
+        if src.kind == "text":
             try:
-                record = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise ValueError(f"{path}:{lineno}: malformed JSON ({e})") from None
-            text = record.get(text_field) if isinstance(record, dict) else None
+                yield from _read_text(src.path)
+            except _NotText as e:
+                if src.named:
+                    raise ValueError(f"data.paths: {e}; CPT reads UTF-8 text, JSONL, parquet and Arrow files") from None
+                skipped.append(str(src.path))
+            continue
+        column = (src.hf.column if src.hf is not None else None) or text_field
+        key = "data.hf_dataset.column" if src.hf is not None and src.hf.column else "data.text_field"
+        for where, record, nbytes in iter_records(src, _text_column(column)):
+            text = "" if record is None else record.get(column)
+            if text is None and src.kind != "jsonl":
+                text = ""  # a null cell of a table
             if not isinstance(text, str):
-                raise ValueError(
-                    f"{path}:{lineno}: no string field {text_field!r} (CptDataConfig.text_field)"
-                )
-            yield text, len(raw)
-
-
-def _read_parquet(path: Path, text_field: str) -> Iterator[tuple[str, int]]:
-    import pyarrow.parquet as pq
-
-    pf = pq.ParquetFile(path)
-    if text_field not in pf.schema_arrow.names:
-        raise ValueError(
-            f"{path}: no column {text_field!r} (CptDataConfig.text_field); columns: {pf.schema_arrow.names}"
-        )
-    size, rows = path.stat().st_size, max(pf.metadata.num_rows, 1)
-    for batch in pf.iter_batches(columns=[text_field], batch_size=1024):
-        for text in batch.column(0).to_pylist():
-            yield text or "", size // rows
-
-
-def _iter_documents(files: list[Path], text_field: str) -> Iterator[tuple[str, int]]:
-    """Yields (text, bytes read) per document: a JSONL line, a parquet row, or a whole text file."""
-    for path in files:
-        if path.suffix == ".jsonl":
-            yield from _read_jsonl(path, text_field)
-        elif path.suffix == ".parquet":
-            yield from _read_parquet(path, text_field)
-        else:  # undecodable bytes become U+FFFD rather than failing a whole corpus
-            data = path.read_bytes()
-            yield data.decode("utf-8", errors="replace"), len(data)
+                raise ValueError(f"{where}: no string field {column!r} ({key})")
+            yield text, nbytes, True
 
 
 def _encode_batch(tokenizer: PreTrainedTokenizerBase, texts: list[str]) -> list[list[int]]:
@@ -231,11 +252,10 @@ def _tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
     return digest.hexdigest()
 
 
-def _cache_key(cfg: CptDataConfig, files: list[Path], tokenizer: PreTrainedTokenizerBase) -> str:
-    stats = [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+def _cache_key(cfg: CptDataConfig, sources: list[Source], tokenizer: PreTrainedTokenizerBase) -> str:
     payload = {
         "version": _CACHE_VERSION,
-        "files": stats,
+        "sources": [[src.kind, src.named, source_stats(src)] for src in sources],
         "tokenizer": _tokenizer_fingerprint(tokenizer),
         "text_field": cfg.text_field,
         "max_tokens": cfg.max_tokens,
@@ -244,36 +264,44 @@ def _cache_key(cfg: CptDataConfig, files: list[Path], tokenizer: PreTrainedToken
 
 
 def _tokenize_to(
-    tmp: Path, files: list[Path], cfg: CptDataConfig, tokenizer: PreTrainedTokenizerBase
+    tmp: Path, sources: list[Source], cfg: CptDataConfig, tokenizer: PreTrainedTokenizerBase
 ) -> None:
     """Writes tokens.bin, offsets.npy and meta.json of the cache into the folder `tmp`."""
     eos = tokenizer.eos_token_id
     if eos is None:
         raise ValueError("the tokenizer has no EOS token, which separates packed documents")
     budget = cfg.max_tokens if cfg.max_tokens is not None else float("inf")
-    lengths: list[int] = []
-    total = 0
-    bar = tqdm(total=sum(p.stat().st_size for p in files), unit="B", unit_scale=True, desc="tokenizing")
-    with (tmp / "tokens.bin").open("wb") as out:
+    lengths: list[int] = []  # tokens per finished document
+    total = open_len = 0  # tokens written; tokens of the document still open (a text file read in pieces)
+    skipped: list[str] = []
+    size = sum(source_size(s) for s in sources)
+    with tqdm(total=size, unit="B", unit_scale=True, desc="tokenizing") as bar, (tmp / "tokens.bin").open("wb") as out:
 
-        def flush(texts: list[str]) -> None:
-            nonlocal total
-            for ids in _encode_batch(tokenizer, texts):
-                doc = np.asarray([*ids, eos], dtype=np.uint32)[: int(min(len(ids) + 1, budget - total))]
-                doc[-1] = eos  # a document cut by max_tokens still ends with EOS
-                out.write(doc.tobytes())
-                lengths.append(len(doc))
-                total += len(doc)
+        def flush(batch: list[tuple[str, bool]]) -> None:
+            nonlocal total, open_len
+            for (_, ends), ids in zip(batch, _encode_batch(tokenizer, [text for text, _ in batch])):
+                piece = np.asarray(ids + [eos] if ends else ids, dtype=np.uint32)
+                if len(piece) >= budget - total:  # max_tokens ends here: the cut document still ends with EOS
+                    piece = piece[: int(budget - total)]
+                    piece[-1], ends = eos, True
+                out.write(piece.tobytes())
+                total += len(piece)
+                open_len += len(piece)
+                if ends:
+                    lengths.append(open_len)
+                    open_len = 0
                 if total >= budget:
                     return
 
-        batch: list[str] = []
+        batch: list[tuple[str, bool]] = []
         chars = 0
-        for text, nbytes in _iter_documents(files, cfg.text_field):
+        has_text = False  # the document being read has text so far (whitespace-only documents are dropped)
+        for text, nbytes, ends in _iter_documents(sources, cfg.text_field, skipped):
             bar.update(nbytes)
-            if not text.strip():
+            if not text.strip() and not has_text:
                 continue
-            batch.append(text)
+            has_text = not ends
+            batch.append((text, ends))
             chars += len(text)
             if len(batch) >= _BATCH_DOCS or chars >= _BATCH_CHARS:
                 flush(batch)
@@ -284,28 +312,36 @@ def _tokenize_to(
             flush(batch)
         out.flush()
         os.fsync(out.fileno())  # the cache is renamed into place only once its bytes are on disk
-    bar.close()
+    if skipped:
+        _warn_skipped(skipped)
     if not lengths:
-        raise ValueError(f"CptDataConfig.paths: no non-empty document in {len(files)} file(s)")
+        raise ValueError(f"data.paths: no non-empty document in {len(sources)} source(s)"
+                         + (f" ({len(skipped)} skipped as not text)" if skipped else ""))
     with (tmp / "offsets.npy").open("wb") as f:
         np.save(f, np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
         f.flush()
         os.fsync(f.fileno())
-    meta = {"files": [str(p) for p in files], "documents": len(lengths), "tokens": total}
+    meta = {"sources": [str(s) for s in sources], "documents": len(lengths), "tokens": total, "skipped": skipped}
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+
+
+def _warn_skipped(skipped: list[str]) -> None:
+    names = ", ".join(skipped[:5]) + (f" and {len(skipped) - 5} more" if len(skipped) > 5 else "")
+    logger.warning("skipped %d file%s that %s not text (NUL bytes or not UTF-8), found in data.paths folders: %s",
+                   len(skipped), "" if len(skipped) == 1 else "s", "is" if len(skipped) == 1 else "are", names)
 
 
 def _load_or_build_cache(
     cfg: CptDataConfig, tokenizer: PreTrainedTokenizerBase
 ) -> tuple[np.memmap, np.ndarray]:
-    files = _list_files(cfg)
-    final = Path(cfg.cache_dir).expanduser() / f"cpt-{_cache_key(cfg, files, tokenizer)}"
+    sources = _sources(cfg)
+    final = Path(cfg.cache_dir).expanduser() / f"cpt-{_cache_key(cfg, sources, tokenizer)}"
     if not final.is_dir():
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = final.parent / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
         try:
-            _tokenize_to(tmp, files, cfg, tokenizer)
+            _tokenize_to(tmp, sources, cfg, tokenizer)
             os.replace(tmp, final)
             logger.info("token cache written: %s", final)
         except OSError:
@@ -315,6 +351,9 @@ def _load_or_build_cache(
             shutil.rmtree(tmp, ignore_errors=True)
     else:
         logger.info("token cache reused: %s", final)
+        skipped = json.loads((final / "meta.json").read_text()).get("skipped") if (final / "meta.json").is_file() else None
+        if skipped:
+            _warn_skipped(skipped)
     offsets = np.load(final / "offsets.npy")
     tokens = np.memmap(final / "tokens.bin", dtype=np.uint32, mode="r")
     if len(tokens) != offsets[-1]:
@@ -339,7 +378,7 @@ def _pack_documents(
     num_rows = int(cum[-1]) // seq_len
     if num_rows == 0:
         raise ValueError(
-            f"CPT {split} split has {int(cum[-1])} tokens, fewer than CptDataConfig.seq_len={seq_len}"
+            f"CPT {split} split has {int(cum[-1])} tokens, fewer than data.seq_len={seq_len}"
         )
     end = num_rows * seq_len
     # A segment is cut at every document start and every row start.
@@ -354,27 +393,55 @@ def _pack_documents(
                          document_masking=document_masking)
 
 
+def _split(offsets: np.ndarray, val_fraction: float, seed: int) -> tuple[np.ndarray, int]:
+    """(document order, number of validation documents) for these document boundaries."""
+    num_docs = len(offsets) - 1
+    order = np.random.default_rng(seed).permutation(num_docs)
+    num_val = max(1, round(val_fraction * num_docs)) if val_fraction > 0 else 0
+    return order, num_val
+
+
+def _chunked(offsets: np.ndarray, size: int) -> np.ndarray:
+    """Document boundaries with every document also cut every `size` tokens."""
+    starts = [np.arange(a, b, size) for a, b in zip(offsets[:-1], offsets[1:])]
+    return np.concatenate([*starts, offsets[-1:]]).astype(np.int64)
+
+
 def build_cpt_datasets(
     cfg: CptDataConfig, tokenizer: PreTrainedTokenizerBase, seed: int
 ) -> tuple[PackedDataset, PackedDataset | None]:
     """Tokenize (or reuse the cache), split documents into train/val and pack each into rows.
 
     The seed picks the validation documents and the order in which training documents are
-    concatenated; the same cache, config and seed always give the same rows.
+    concatenated; the same cache, config and seed always give the same rows. When the documents are too
+    few for `val_fraction` (one large file: no training document would be left, or a split would get less
+    than a row), they are cut into chunks of `seq_len` tokens that the split holds out instead, as a
+    validation split of one corpus usually is; the log says so.
     """
     tokens, offsets = _load_or_build_cache(cfg, tokenizer)
     num_docs = len(offsets) - 1
-    order = np.random.default_rng(seed).permutation(num_docs)
-    num_val = max(1, round(cfg.val_fraction * num_docs)) if cfg.val_fraction > 0 else 0
-    if num_val >= num_docs:
-        raise ValueError(
-            f"CptDataConfig.val_fraction={cfg.val_fraction} leaves no training document out of {num_docs}"
-        )
+    bounds = offsets
+    order, num_val = _split(bounds, cfg.val_fraction, seed)
+    if num_val and (num_val >= num_docs or _too_small(bounds, order, num_val, cfg.seq_len)):
+        bounds = _chunked(offsets, cfg.seq_len)
+        order, num_val = _split(bounds, cfg.val_fraction, seed)
+        logger.info("CPT data: %d document%s too few for data.val_fraction=%s: split into %d chunks of %d tokens "
+                    "(data.seq_len), %d of them held out for validation", num_docs,
+                    " is" if num_docs == 1 else "s are", cfg.val_fraction, len(bounds) - 1, cfg.seq_len, num_val)
+        if num_val >= len(bounds) - 1:
+            raise ValueError(f"data.val_fraction={cfg.val_fraction} leaves no training data: the corpus has "
+                             f"{int(offsets[-1])} tokens, {len(bounds) - 1} chunks of data.seq_len={cfg.seq_len}")
     pack = dict(seq_len=cfg.seq_len, pad_id=tokenizer.eos_token_id, document_masking=cfg.document_masking)
-    train = _pack_documents(tokens, offsets, order[num_val:], split="train", **pack)
-    val = _pack_documents(tokens, offsets, np.sort(order[:num_val]), split="val", **pack) if num_val else None
+    train = _pack_documents(tokens, bounds, order[num_val:], split="train", **pack)
+    val = _pack_documents(tokens, bounds, np.sort(order[:num_val]), split="val", **pack) if num_val else None
     logger.info(
         "CPT data: %d documents, %d tokens; train %d rows, val %s rows of %d",
         num_docs, int(offsets[-1]), len(train), len(val) if val else 0, cfg.seq_len,
     )
     return train, val
+
+
+def _too_small(bounds: np.ndarray, order: np.ndarray, num_val: int, seq_len: int) -> bool:
+    """Whether the validation or the training documents hold less than one row."""
+    lengths = np.diff(bounds)[order]
+    return bool(lengths[:num_val].sum() < seq_len or lengths[num_val:].sum() < seq_len)

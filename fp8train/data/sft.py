@@ -10,16 +10,15 @@ end-of-turn token, e.g. `<|im_end|>`, not the newline after it).
 from __future__ import annotations
 
 import bisect
-import json
 import logging
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Literal
 
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from .cpt import PackedDataset
+from .sources import HfDatasetConfig, iter_records, list_sources
 
 __all__ = ["SftDataConfig", "SftStats", "build_sft_datasets", "read_sft_holdout"]
 
@@ -33,7 +32,11 @@ class SftDataConfig:
     """Supervised fine-tuning data."""
 
     paths: list[str] = field(default_factory=list)
-    """JSONL files, or folders searched recursively for *.jsonl; samples are read in this order."""
+    """JSONL, parquet or Arrow files, `datasets` folders (save_to_disk), or folders searched recursively for
+    *.jsonl, *.parquet and *.arrow; samples are read in this order. Relative paths in a config file are
+    relative to that file."""
+    hf_dataset: HfDatasetConfig | None = None
+    """A dataset read with `datasets.load_dataset` (section: name, config, split, column, cache_dir), after `paths`."""
     messages_field: str = "messages"
     """Field holding a chat: a list of {"role": system|user|assistant, "content": str}."""
     prompt_field: str = "prompt"
@@ -56,18 +59,18 @@ class SftDataConfig:
     def __post_init__(self):
         if isinstance(self.paths, str):
             self.paths = [self.paths]
-        if not self.paths:
-            raise ValueError("SftDataConfig.paths is empty: give at least one JSONL file")
+        if not self.paths and self.hf_dataset is None:
+            raise ValueError("data.paths is empty: give at least one JSONL file (or a data.hf_dataset)")
         if self.seq_len < 2:
-            raise ValueError(f"SftDataConfig.seq_len must be >= 2, got {self.seq_len}")
+            raise ValueError(f"data.seq_len must be >= 2, got {self.seq_len}")
         if self.overlong not in ("truncate", "skip"):
-            raise ValueError(f"SftDataConfig.overlong must be 'truncate' or 'skip', got {self.overlong!r}")
+            raise ValueError(f"data.overlong must be 'truncate' or 'skip', got {self.overlong!r}")
         if not 0.0 <= self.val_fraction < 1.0:
-            raise ValueError(f"SftDataConfig.val_fraction must be in [0, 1), got {self.val_fraction}")
+            raise ValueError(f"data.val_fraction must be in [0, 1), got {self.val_fraction}")
         if self.holdout_last < 0:
-            raise ValueError(f"SftDataConfig.holdout_last must be >= 0, got {self.holdout_last}")
+            raise ValueError(f"data.holdout_last must be >= 0, got {self.holdout_last}")
         if self.max_samples is not None and self.max_samples < 1:
-            raise ValueError(f"SftDataConfig.max_samples must be positive, got {self.max_samples}")
+            raise ValueError(f"data.max_samples must be positive, got {self.max_samples}")
 
 
 @dataclass
@@ -101,29 +104,11 @@ class SftStats:
         return self.num_train_tokens / max(1, self.num_train_rows * self.seq_len)
 
 
-def _list_files(paths: list[str]) -> list[Path]:
-    files: list[Path] = []
-    for entry in paths:
-        path = Path(entry).expanduser()
-        if path.is_file():
-            files.append(path)
-        elif path.is_dir():
-            found = sorted(path.rglob("*.jsonl"))
-            if not found:
-                raise ValueError(f"SftDataConfig.paths: folder {path} has no *.jsonl file")
-            files.extend(found)
-        else:
-            raise FileNotFoundError(f"SftDataConfig.paths: {entry}: no such file or directory")
-    return files
-
-
-def _parse_record(record: object, cfg: SftDataConfig, where: str) -> list[dict[str, str]]:
-    if not isinstance(record, dict):
-        raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
-    if cfg.messages_field in record:
-        messages = record[cfg.messages_field]
+def _parse_record(record: dict, cfg: SftDataConfig, where: str, messages_field: str) -> list[dict[str, str]]:
+    if messages_field in record:
+        messages = record[messages_field]
         if not isinstance(messages, list) or not messages:
-            raise ValueError(f"{where}: {cfg.messages_field!r} must be a non-empty list of messages")
+            raise ValueError(f"{where}: {messages_field!r} must be a non-empty list of messages")
         chat = []
         for k, m in enumerate(messages):
             if not isinstance(m, dict) or not isinstance(m.get("content"), str):
@@ -138,8 +123,8 @@ def _parse_record(record: object, cfg: SftDataConfig, where: str) -> list[dict[s
         chat = [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
     else:
         raise ValueError(
-            f"{where}: neither a {cfg.messages_field!r} field nor {cfg.prompt_field!r} + "
-            f"{cfg.response_field!r} fields (SftDataConfig.messages_field / prompt_field / response_field); "
+            f"{where}: neither a {messages_field!r} field nor {cfg.prompt_field!r} + "
+            f"{cfg.response_field!r} fields (data.messages_field / data.prompt_field / data.response_field); "
             f"has {sorted(record)}"
         )
     if not any(m["role"] == "assistant" for m in chat):
@@ -149,22 +134,35 @@ def _parse_record(record: object, cfg: SftDataConfig, where: str) -> list[dict[s
     return chat
 
 
+_SFT_FILES = ["*.jsonl", "*.parquet", "*.arrow"]
+
+
+def _chat_columns(cfg: SftDataConfig, messages_field: str):
+    """Picks a table's chat column, else its prompt and response columns."""
+
+    def pick(names: list[str], where: str) -> list[str]:
+        if messages_field in names:
+            return [messages_field]
+        if cfg.prompt_field in names and cfg.response_field in names:
+            return [cfg.prompt_field, cfg.response_field]
+        raise ValueError(f"{where} row 0: neither a {messages_field!r} column nor {cfg.prompt_field!r} + "
+                         f"{cfg.response_field!r} columns (data.messages_field / data.prompt_field / "
+                         f"data.response_field); columns: {names}")
+
+    return pick
+
+
 def _read_samples(cfg: SftDataConfig) -> list[tuple[str, list[dict[str, str]]]]:
-    """All samples of all files as (path:line, messages), in file order."""
+    """All samples of all sources as (where, messages), in order; `where` is file:line or `<source> row N`."""
     samples = []
-    for path in _list_files(cfg.paths):
-        with path.open("rb") as f:
-            for lineno, raw in enumerate(f, 1):
-                if not raw.strip():
-                    continue
-                where = f"{path}:{lineno}"
-                try:
-                    record = json.loads(raw)
-                except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                    raise ValueError(f"{where}: malformed JSON ({e})") from None
-                samples.append((where, _parse_record(record, cfg, where)))
+    for src in list_sources(cfg.paths, _SFT_FILES, other="jsonl", hf=cfg.hf_dataset):
+        messages_field = (src.hf.column if src.hf is not None else None) or cfg.messages_field
+        for where, record, _ in iter_records(src, _chat_columns(cfg, messages_field)):
+            if record is not None:
+                samples.append((where, _parse_record(record, cfg, where, messages_field)))
     if not samples:
-        raise ValueError(f"SftDataConfig.paths: no samples in {[str(p) for p in cfg.paths]}")
+        raise ValueError(f"data.paths: no samples in {[str(p) for p in cfg.paths]}"
+                         + (f" or {cfg.hf_dataset.describe()}" if cfg.hf_dataset else ""))
     return samples
 
 
@@ -268,7 +266,7 @@ def build_sft_datasets(
     samples = _read_samples(cfg)
     if cfg.holdout_last >= len(samples):
         raise ValueError(
-            f"SftDataConfig.holdout_last={cfg.holdout_last} leaves none of {len(samples)} samples"
+            f"data.holdout_last={cfg.holdout_last} leaves none of {len(samples)} samples"
         )
     stats = SftStats(num_holdout=cfg.holdout_last, seq_len=cfg.seq_len)
     samples = samples[: len(samples) - cfg.holdout_last][: cfg.max_samples]
@@ -277,7 +275,7 @@ def build_sft_datasets(
     num_val = max(1, round(cfg.val_fraction * len(samples))) if cfg.val_fraction > 0 else 0
     if num_val >= len(samples):
         raise ValueError(
-            f"SftDataConfig.val_fraction={cfg.val_fraction} leaves no training sample of {len(samples)}"
+            f"data.val_fraction={cfg.val_fraction} leaves no training sample of {len(samples)}"
         )
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if pad_id is None:

@@ -10,7 +10,7 @@ from tokenizers import AddedToken, normalizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 from transformers.convert_slow_tokenizer import TikTokenConverter
 
-__all__ = ["CHATML_TEMPLATE", "load_tokenizer"]
+__all__ = ["CHATML_TEMPLATE", "TOKENIZER_FILES", "has_tokenizer_files", "load_tokenizer"]
 
 # Qwen2's pre-tokenizer: like cl100k's but digits split one by one.
 _QWEN_PATTERN = (
@@ -45,7 +45,12 @@ _QWEN_ADDED_TOKENS = (
 )
 _QWEN_NUM_RANKS = 151643
 _QWEN_MAX_LENGTH = 131072
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",  # any one defines a tokenizer
+    "merges.txt", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+)
+"""The files of a saved Hugging Face tokenizer (what an export copies beside the weights)."""
+_DEFINING = TOKENIZER_FILES[:4]
 
 CHATML_TEMPLATE = (
     "{%- for message in messages %}"
@@ -113,18 +118,26 @@ def _set_gguf_special_tokens(tokenizer: PreTrainedTokenizerFast, path: Path) -> 
                 setattr(tokenizer, attr, tokenizer.convert_ids_to_tokens(token_id))
 
 
+def has_tokenizer_files(path: Path) -> bool:
+    """Whether the directory `path` holds a saved tokenizer."""
+    return any((Path(path) / name).is_file() for name in _DEFINING)
+
+
 def _load_local(path: Path) -> PreTrainedTokenizerFast:
     if path.is_dir():
-        if not any((path / name).is_file() for name in _TOKENIZER_FILES):
-            raise FileNotFoundError(f"{path}: no tokenizer files (looked for {', '.join(_TOKENIZER_FILES)})")
-        tokenizer = AutoTokenizer.from_pretrained(str(path))
+        if not has_tokenizer_files(path):
+            raise FileNotFoundError(f"{path}: no tokenizer files (looked for {', '.join(_DEFINING)})")
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(path))
+        except (OSError, ValueError, KeyError) as e:
+            raise ValueError(f"{path}: the tokenizer files do not load ({str(e).splitlines()[0]})") from None
     elif path.suffix == ".gguf":
         tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         _set_gguf_special_tokens(tokenizer, path)
     else:
         raise ValueError(f"{path}: a tokenizer source must be a directory or a .gguf file")
     if not isinstance(tokenizer, PreTrainedTokenizerFast):
-        raise TypeError(f"{path}: got {type(tokenizer).__name__}, fp8train needs a fast (Rust) tokenizer")
+        raise ValueError(f"{path}: got {type(tokenizer).__name__}, fp8train needs a fast (Rust) tokenizer")
     return tokenizer
 
 

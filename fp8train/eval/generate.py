@@ -8,11 +8,10 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["SamplingConfig", "Completion", "BACKENDS", "resolve_backend", "load_tokenizer_for", "render_prompts",
-           "generate"]
+__all__ = ["SamplingConfig", "Completion", "BACKENDS", "check_model_dir", "resolve_backend", "load_tokenizer_for",
+           "render_prompts", "generate"]
 
 BACKENDS = ("auto", "hf", "vllm")
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 # End-of-turn markers of common chat templates; generation stops at any that the vocabulary has.
 _END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|endoftext|>")
 
@@ -57,23 +56,35 @@ def resolve_backend(name: str) -> str:
     return name
 
 
-def load_tokenizer_for(model: str | Path):
-    """The tokenizer saved with the model; a local directory without one is a clear error."""
-    from transformers import AutoTokenizer
+def check_model_dir(model: str | Path) -> Path:
+    """`model` as a local model directory with config.json, complete safetensors weights and a tokenizer;
+    anything else is an error naming the path (eval never reaches for a hub)."""
+    from ..data.tokenizer import has_tokenizer_files
+    from ..train.model import weight_files
 
     path = Path(model)
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"eval: {path} is not a model directory (no config.json)")
-        if not any((path / f).is_file() for f in _TOKENIZER_FILES):
-            raise FileNotFoundError(
-                f"eval: {path} has no tokenizer (none of {list(_TOKENIZER_FILES)}); save the tokenizer with "
-                f"the model (`fp8train export` copies it from the checkpoint)"
-            )
+    if not path.exists():
+        raise FileNotFoundError(f"eval: model directory {path} does not exist")
+    if not path.is_dir() or not (path / "config.json").is_file():
+        raise FileNotFoundError(f"eval: {path} is not a model directory (no config.json)")
+    if not has_tokenizer_files(path):
+        raise FileNotFoundError(
+            f"eval: {path} has no tokenizer (tokenizer.json or tokenizer_config.json); save the tokenizer with "
+            f"the model (`fp8train export` copies it from the checkpoint)"
+        )
+    weight_files(path, "eval")
+    return path
+
+
+def load_tokenizer_for(model: str | Path):
+    """The tokenizer saved with the model directory `model` (checked by `check_model_dir`)."""
+    from transformers import AutoTokenizer
+
+    path = check_model_dir(model)
     try:
-        return AutoTokenizer.from_pretrained(str(model))
-    except Exception as e:
-        raise ValueError(f"eval: could not load the tokenizer of {model}: {e}") from e
+        return AutoTokenizer.from_pretrained(str(path))
+    except Exception as e:  # tokenizer files of any kind: the message says which model
+        raise ValueError(f"eval: could not load the tokenizer of {path}: {str(e).splitlines()[0]}") from None
 
 
 def render_prompts(tokenizer, conversations: list[list[dict]], chat_template: bool, force_think: bool) -> list[str]:
@@ -108,20 +119,26 @@ def _stop_ids(tokenizer, model_dir: str) -> list[int]:
     return sorted(ids)
 
 
-def _generate_hf(model_dir: str, tokenizer, prompts: list[str], cfg: SamplingConfig, add_special: bool):
+def _generate_hf(model_dir: str, tokenizer, prompts: list[str], cfg: SamplingConfig, add_special: bool,
+                 device: str | None = None):
     from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM
 
     stop = _stop_ids(tokenizer, model_dir)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     # device_map puts an fp8-block export straight on the GPU (FP8 GEMMs); on CPU it is dequantized.
     extra = {"device_map": device} if device == "cuda" else {}
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto", **extra).to(device).eval()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto", **extra).to(device).eval()
+    except (OSError, RuntimeError) as e:  # e.g. weights whose shapes disagree with config.json
+        raise ValueError(f"eval: transformers could not load {model_dir}: {str(e).splitlines()[0]}") from None
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop[0]
     enc = tokenizer(prompts, add_special_tokens=add_special)["input_ids"]
     jobs = [(p, s) for p in range(len(prompts)) for s in range(cfg.samples)]
     jobs.sort(key=lambda j: -len(enc[j[0]]))  # similar lengths share a batch: less padding
-    kwargs = dict(max_new_tokens=cfg.max_new_tokens, eos_token_id=stop, pad_token_id=pad_id, do_sample=not cfg.greedy)
+    # use_cache: a training checkpoint's config says False (training needs no KV cache); generating does.
+    kwargs = dict(max_new_tokens=cfg.max_new_tokens, eos_token_id=stop, pad_token_id=pad_id, do_sample=not cfg.greedy,
+                  use_cache=True)
     if not cfg.greedy:  # top_k=0: plain nucleus sampling, whatever the model's generation_config says
         kwargs.update(temperature=cfg.temperature, top_p=cfg.top_p, top_k=0)
     results: list[list[Completion | None]] = [[None] * cfg.samples for _ in prompts]
@@ -146,7 +163,8 @@ def _generate_hf(model_dir: str, tokenizer, prompts: list[str], cfg: SamplingCon
     return results
 
 
-def _generate_vllm(model_dir: str, tokenizer, prompts: list[str], cfg: SamplingConfig, add_special: bool):
+def _generate_vllm(model_dir: str, tokenizer, prompts: list[str], cfg: SamplingConfig, add_special: bool,
+                   device: str | None = None):
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=model_dir, seed=cfg.seed)
@@ -162,7 +180,11 @@ def _generate_vllm(model_dir: str, tokenizer, prompts: list[str], cfg: SamplingC
 
 
 def generate(model_dir: str, tokenizer, prompts: list[str], cfg: SamplingConfig, backend: str = "hf",
-             add_special_tokens: bool = False) -> list[list[Completion]]:
-    """`cfg.samples` completions for each prompt string, in prompt order."""
+             add_special_tokens: bool = False, device: str | None = None) -> list[list[Completion]]:
+    """`cfg.samples` completions for each prompt string, in prompt order.
+
+    transformers batches prompts of similar length with left padding and a KV cache, on `device` (default:
+    CUDA when available, else the CPU); vLLM places the model itself.
+    """
     fn = _generate_vllm if backend == "vllm" else _generate_hf
-    return fn(str(model_dir), tokenizer, prompts, cfg, add_special_tokens)
+    return fn(str(model_dir), tokenizer, prompts, cfg, add_special_tokens, device)

@@ -1,6 +1,7 @@
 """`fp8train eval`: load problems, sample completions, score them, write results and metrics.
 
-Outputs in `EvalConfig.out`:
+Outputs in `EvalConfig.out`, which must not hold earlier results (by default eval_results/<model>_<data>,
+then _2, _3, ... for later evals of the same pair):
   results.jsonl  one line per problem: prompt, gold, outputs, extracted answers, verdicts, majority vote
   metrics.json   pass@1 (mean over problems of the mean over samples), maj@k, pass@k, counts, the config
 """
@@ -14,6 +15,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import torch
+
+from ..threads import cpu_threads
 from ..train.checkpoint import hf_model_dir
 from .generate import BACKENDS, SamplingConfig, generate, load_tokenizer_for, render_prompts, resolve_backend
 from .scoring import LETTERS, extract_choice, extract_gold, extract_math_answer, math_equal, shuffle_choices
@@ -21,6 +25,7 @@ from .scoring import LETTERS, extract_choice, extract_gold, extract_math_answer,
 __all__ = ["EvalConfig", "Problem", "load_problems", "run_eval", "add_cli", "MATH_INSTRUCTION", "MC_INSTRUCTION"]
 
 TASKS = ("math", "mc")
+_RESULTS = ("results.jsonl", "metrics.json")
 MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 MC_INSTRUCTION = (
     "Answer the following multiple choice question. The last line of your response should be of the "
@@ -60,7 +65,8 @@ class EvalConfig:
     choices_field: tuple[str, ...] = ("choices",)
     """mc: one field holding a list of options, or several fields holding one option each."""
     out: str | None = None
-    """Output directory; default eval_results/<model dir name>_<data file stem>."""
+    """Output directory, refused when it holds earlier results; default eval_results/<model dir name>_<data
+    file stem>, or the first of its _2, _3, ... siblings that holds none."""
     seed: int = 0
     """Seed of the sampler and of the mc option shuffle."""
     backend: str = "auto"
@@ -73,6 +79,8 @@ class EvalConfig:
     """Optional system message."""
     instruction: str | None = None
     """Text appended to every question; default MATH_INSTRUCTION or MC_INSTRUCTION."""
+    cpu_threads: int = 1
+    """torch threads when generating on the CPU; 0 = torch's default (`fp8train.threads` says why one)."""
 
     def __post_init__(self):
         checks = {
@@ -80,6 +88,7 @@ class EvalConfig:
             "batch_size": self.batch_size >= 1, "max_new_tokens": self.max_new_tokens >= 1,
             "top_p": 0 < self.top_p <= 1, "temperature": self.greedy or self.temperature > 0,
             "limit": self.limit is None or self.limit >= 1, "choices_field": len(self.choices_field) >= 1,
+            "cpu_threads": self.cpu_threads >= 0,
         }
         for key, ok in checks.items():
             if not ok:
@@ -89,9 +98,22 @@ class EvalConfig:
         self.choices_field = tuple(self.choices_field)
 
     def out_dir(self) -> Path:
+        """Where this eval writes: `out`, refused when it holds earlier results, or the first default folder
+        without any."""
         if self.out is not None:
-            return Path(self.out)
-        return Path("eval_results") / f"{Path(self.model).resolve().name}_{Path(self.data).stem}"
+            out = Path(self.out)
+            if out.exists() and not out.is_dir():
+                raise FileExistsError(f"eval: --out {out} is a file, not a folder")
+            if any((out / name).exists() for name in _RESULTS):
+                raise FileExistsError(f"eval: {out} already holds the results of an earlier eval (metrics.json); "
+                                      "pass another --out, or remove them")
+            return out
+        base = Path("eval_results") / f"{Path(self.model).resolve().name}_{Path(self.data).stem}"
+        n = 1
+        while (out := base.with_name(base.name + (f"_{n}" if n > 1 else ""))).exists() and (
+                not out.is_dir() or any((out / name).exists() for name in _RESULTS)):
+            n += 1
+        return out
 
 
 @dataclass
@@ -219,6 +241,7 @@ def run_eval(cfg: EvalConfig) -> dict:
     """Evaluate `cfg.model` on `cfg.data`; writes results.jsonl and metrics.json, returns the metrics."""
     start = time.time()
     problems = load_problems(cfg)
+    out = cfg.out_dir()  # before any model loads: earlier results are never overwritten
     backend = resolve_backend(cfg.backend)
     model = hf_model_dir(cfg.model)  # a training checkpoint: its model/, verified against the manifest
     tokenizer = load_tokenizer_for(model)
@@ -227,7 +250,10 @@ def run_eval(cfg: EvalConfig) -> dict:
     prompts = render_prompts(tokenizer, convs, cfg.chat_template, cfg.force_think)
     sampling = SamplingConfig(cfg.samples, cfg.temperature, cfg.top_p, cfg.max_new_tokens, cfg.batch_size,
                               cfg.greedy, cfg.seed)
-    completions = generate(model, tokenizer, prompts, sampling, backend, add_special_tokens=not cfg.chat_template)
+    on_cpu = backend == "hf" and not torch.cuda.is_available()
+    with cpu_threads(cfg.cpu_threads if on_cpu else None):
+        completions = generate(model, tokenizer, prompts, sampling, backend,
+                               add_special_tokens=not cfg.chat_template)
 
     math = cfg.task == "math"
     same = math_equal if math else (lambda a, b: a == b)
@@ -259,11 +285,10 @@ def run_eval(cfg: EvalConfig) -> dict:
         "extracted_rate": n_extracted / total,
         "finished_rate": n_finished / total,
         "mean_new_tokens": n_tokens / total,
-        "task": cfg.task, "model": str(cfg.model), "data": str(cfg.data), "backend": backend,
+        "task": cfg.task, "model": str(cfg.model), "data": str(cfg.data), "backend": backend, "out": str(out),
         "elapsed_s": round(time.time() - start, 3),
         "config": json.loads(json.dumps(asdict(cfg))),  # as metrics.json holds it (tuples as lists)
     }
-    out = cfg.out_dir()
     out.mkdir(parents=True, exist_ok=True)
     _write_atomic(out / "results.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
     _write_atomic(out / "metrics.json", json.dumps(metrics, indent=2) + "\n")
@@ -276,7 +301,7 @@ def _run_cli(args: argparse.Namespace) -> int:
     k = metrics["k"]
     extra = f"  maj@{k} {metrics['maj@k']:.4f}  pass@{k} {metrics['pass@k']:.4f}" if k > 1 else ""
     print(f"{metrics['num_problems']} problems x {k} samples: pass@1 {metrics['pass@1']:.4f}{extra}"
-          f"  -> {EvalConfig(**fields).out_dir()}")
+          f"  -> {metrics['out']}")
     return 0
 
 
@@ -287,7 +312,8 @@ _HELP = {
     "greedy": "greedy decoding (needs --samples 1)", "force_think": 'start the answer with "<think>\\n"',
     "chat_template": "wrap prompts in the tokenizer's chat template", "question_field": "field with the problem",
     "answer_field": "field with the reference answer (final answer, '#### N', \\boxed{}; mc: letter/index/text)",
-    "out": "output directory (default eval_results/<model>_<data>)", "system_prompt": "optional system message",
+    "out": "output directory; one that holds earlier results is refused (default eval_results/<model>_<data>, "
+           "then _2, _3, ...)", "system_prompt": "optional system message",
     "instruction": "text appended to each question (default: the task's instruction)",
 }
 
@@ -314,5 +340,8 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
                    help="mc: one field holding a list, or several fields holding one option each")
     p.add_argument("--backend", choices=BACKENDS, default=d["backend"].default,
                    help="auto (default): vLLM when importable and a GPU is present, else transformers")
+    p.add_argument("--threads", dest="cpu_threads", type=int, default=d["cpu_threads"].default,
+                   help="torch threads when generating on a CPU (default 1, fastest on a busy machine; 0 = torch's "
+                        "default)")
     p.set_defaults(func=_run_cli)
     return p

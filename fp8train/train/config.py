@@ -11,11 +11,14 @@ and a value of the wrong type names its key. The `data` section is a `CptDataCon
 from __future__ import annotations
 
 import ast
+import copy
 import dataclasses
 import difflib
 import enum
 import inspect
 import math
+import os
+import re
 import textwrap
 import types
 import typing
@@ -27,15 +30,20 @@ import yaml
 
 from ..data import CptDataConfig, SftDataConfig
 from .distributed import DistributedConfig
-from .model import ModelConfig
-from .optim import OptimConfig
+from .model import PRESETS, ModelConfig
+from .optim import OptimConfig, lr_lambda
 
 __all__ = ["ConfigError", "LoopConfig", "TrainConfig", "load_config", "config_to_dict", "format_config_help",
-           "parse_overrides"]
+           "parse_overrides", "resolve_paths"]
 
 
 class ConfigError(ValueError):
-    """A configuration that cannot be used; the message names the dotted key."""
+    """A configuration that cannot be used; the message names the dotted key, `keys` holds it (and any
+    other key the error is about), so that `load_config` can say where the value came from."""
+
+    def __init__(self, message: str, key: str | tuple[str, ...] = ()):
+        super().__init__(message)
+        self.keys: tuple[str, ...] = (key,) if isinstance(key, str) else tuple(key)
 
 
 @dataclass
@@ -99,6 +107,9 @@ class TrainConfig:
     """Seed for model init and data order; the same seed gives the same run."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """`auto` uses CUDA when available, else the CPU."""
+    cpu_threads: int = 1
+    """torch threads while training on the CPU; 0 = torch's default (one per core). One is fastest for small
+    models and on a busy machine (docs/training.md)."""
     recipe: Literal["hybrid", "tensorwise", "rowwise", "bf16"] = "hybrid"
     """FP8 recipe of the decoder Linears: `hybrid` (InfiR2: 1x128 activations, 128x128 weights), or `bf16`."""
     pow2_scale: bool = True
@@ -119,32 +130,47 @@ class TrainConfig:
         t = self.train
         for key in ("global_batch", "micro_batch", "log_every", "max_nonfinite_steps"):
             if getattr(t, key) < 1:
-                raise ConfigError(f"config key 'train.{key}' must be >= 1, got {getattr(t, key)}")
+                raise ConfigError(f"config key 'train.{key}' must be >= 1, got {getattr(t, key)}", f"train.{key}")
+        if self.cpu_threads < 0:
+            raise ConfigError(f"config key 'cpu_threads' must be >= 0 (0 = torch's default), got {self.cpu_threads}",
+                              "cpu_threads")
         for key in ("eval_every", "save_every", "health_every"):
             if getattr(t, key) < 0:
-                raise ConfigError(f"config key 'train.{key}' must be >= 0, got {getattr(t, key)}")
+                raise ConfigError(f"config key 'train.{key}' must be >= 0, got {getattr(t, key)}", f"train.{key}")
         if t.steps is None and t.epochs is None:
-            raise ConfigError("set one of the config keys 'train.steps' or 'train.epochs'")
+            raise ConfigError("set one of the config keys 'train.steps' or 'train.epochs'", ("train.steps", "train.epochs"))
         if t.steps is not None and t.steps < 1:
-            raise ConfigError(f"config key 'train.steps' must be >= 1, got {t.steps}")
+            raise ConfigError(f"config key 'train.steps' must be >= 1, got {t.steps}", "train.steps")
         if t.steps is None and not t.epochs > 0:
-            raise ConfigError(f"config key 'train.epochs' must be > 0, got {t.epochs}")
+            raise ConfigError(f"config key 'train.epochs' must be > 0, got {t.epochs}", "train.epochs")
         if t.keep_last is not None and t.keep_last < 1:
-            raise ConfigError(f"config key 'train.keep_last' must be >= 1 or null, got {t.keep_last}")
+            raise ConfigError(f"config key 'train.keep_last' must be >= 1 or null, got {t.keep_last}", "train.keep_last")
         if t.loss_chunk_tokens is not None and t.loss_chunk_tokens < 1:
-            raise ConfigError(f"config key 'train.loss_chunk_tokens' must be >= 1 or null, got {t.loss_chunk_tokens}")
+            raise ConfigError(f"config key 'train.loss_chunk_tokens' must be >= 1 or null, got {t.loss_chunk_tokens}",
+                              "train.loss_chunk_tokens")
         if t.cuda_graphs and not t.compile:
-            raise ConfigError("config key 'train.cuda_graphs' needs 'train.compile': true (it graphs the compiled layers)")
+            raise ConfigError("config key 'train.cuda_graphs' needs 'train.compile': true (it graphs the compiled layers)",
+                              ("train.cuda_graphs", "train.compile"))
         per_step = t.micro_batch * world_size
         if t.global_batch % per_step:
             raise ConfigError(
                 f"config key 'train.global_batch' ({t.global_batch}) must be a multiple of 'train.micro_batch' "
-                f"({t.micro_batch}) x world size ({world_size}) = {per_step}")
+                f"({t.micro_batch}) x world size ({world_size}) = {per_step}", ("train.global_batch", "train.micro_batch"))
+        if t.steps is not None:  # the schedule fits the steps: checked now, not after tokenizing
+            try:
+                lr_lambda(self.optim, t.steps)
+            except ValueError as e:
+                raise ConfigError(str(e), ("train.steps", "optim.warmup_steps", "optim.warmup_ratio",
+                                           "optim.decay_steps", "optim.decay_ratio")) from None
         if self.data is None:
-            raise ConfigError("missing required config section 'data'")
+            raise ConfigError("missing required config section 'data'", "data")
         want = CptDataConfig if self.stage == "cpt" else SftDataConfig
         if not isinstance(self.data, want):
-            raise ConfigError(f"config key 'data' must be a {want.__name__} for stage {self.stage!r}")
+            raise ConfigError(f"config key 'data' must be a {want.__name__} for stage {self.stage!r}", "data")
+        if self.model.source in PRESETS and self.data.seq_len > self.model.max_seq_len:
+            raise ConfigError(f"config key 'data.seq_len' ({self.data.seq_len}) is above the model's "
+                              f"max_position_embeddings ('model.max_seq_len' = {self.model.max_seq_len}); lower "
+                              "data.seq_len or raise model.max_seq_len", ("data.seq_len", "model.max_seq_len"))
 
 
 # ------------------------------------------------------------------------------------------- parsing
@@ -204,7 +230,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if value is None:
             if type(None) in args:
                 return None
-            raise ConfigError(f"config key {key!r} must not be null")
+            raise ConfigError(f"config key {key!r} must not be null", key=key)
         errors = []
         for arg in (a for a in args if a is not type(None)):
             try:
@@ -213,71 +239,71 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
                 errors.append(e)
         if len(errors) == 1:
             raise errors[0]
-        raise ConfigError(f"config key {key!r} must be {_type_name(tp)}, got {value!r}")
+        raise ConfigError(f"config key {key!r} must be {_type_name(tp)}, got {value!r}", key=key)
     if value is None:
-        raise ConfigError(f"config key {key!r} must not be null (expected {_type_name(tp)})")
+        raise ConfigError(f"config key {key!r} must not be null (expected {_type_name(tp)})", key=key)
     if origin is Literal:
         if value in args:
             return value
-        raise ConfigError(f"config key {key!r} must be one of {list(args)}, got {value!r}")
+        raise ConfigError(f"config key {key!r} must be one of {list(args)}, got {value!r}", key=key)
     if is_dataclass(tp):
         if isinstance(value, tp):
             return value
         if not isinstance(value, dict):
-            raise ConfigError(f"config key {key!r} is a section: expected a mapping, got {value!r}")
+            raise ConfigError(f"config key {key!r} is a section: expected a mapping, got {value!r}", key=key)
         return _from_dict(tp, value, key)
     if origin is list and isinstance(value, str):
         value = [value]  # `data.paths=corpus.txt`: one item
     if origin in (list, tuple):
         if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"config key {key!r} must be a list ({_type_name(tp)}), got {value!r}")
+            raise ConfigError(f"config key {key!r} must be a list ({_type_name(tp)}), got {value!r}", key=key)
         if origin is tuple and args and args[-1] is not Ellipsis:
             if len(value) != len(args):
-                raise ConfigError(f"config key {key!r} must have {len(args)} items, got {len(value)}")
+                raise ConfigError(f"config key {key!r} must have {len(args)} items, got {len(value)}", key=key)
             return tuple(_coerce(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
         item = args[0] if args else Any
         out = [_coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
         return tuple(out) if origin is tuple else out
     if origin is dict:
         if not isinstance(value, dict):
-            raise ConfigError(f"config key {key!r} must be a mapping, got {value!r}")
+            raise ConfigError(f"config key {key!r} must be a mapping, got {value!r}", key=key)
         vt = args[1] if args else Any
         return {k: _coerce(v, vt, f"{key}.{k}") for k, v in value.items()}
     if tp is bool:
         if isinstance(value, bool):
             return value
-        raise ConfigError(f"config key {key!r} must be true or false, got {value!r}")
+        raise ConfigError(f"config key {key!r} must be true or false, got {value!r}", key=key)
     if tp is int:
         if isinstance(value, float) and value.is_integer():
             return int(value)
         if isinstance(value, int) and not isinstance(value, bool):
             return value
-        raise ConfigError(f"config key {key!r} must be an integer, got {value!r}")
+        raise ConfigError(f"config key {key!r} must be an integer, got {value!r}", key=key)
     if tp is float:
         if isinstance(value, str):  # YAML 1.1 reads `1e-4` (no dot) as a string
             try:
                 value = float(value)
             except ValueError:
-                raise ConfigError(f"config key {key!r} must be a number, got {value!r}") from None
+                raise ConfigError(f"config key {key!r} must be a number, got {value!r}", key=key) from None
         if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
             return float(value)
-        raise ConfigError(f"config key {key!r} must be a finite number, got {value!r}")
+        raise ConfigError(f"config key {key!r} must be a finite number, got {value!r}", key=key)
     if tp is str:
         if isinstance(value, str):
             return value
-        raise ConfigError(f"config key {key!r} must be a string, got {value!r}")
+        raise ConfigError(f"config key {key!r} must be a string, got {value!r}", key=key)
     if isinstance(tp, type) and issubclass(tp, Path):
         if isinstance(value, (str, Path)):
             return Path(value)
-        raise ConfigError(f"config key {key!r} must be a path string, got {value!r}")
+        raise ConfigError(f"config key {key!r} must be a path string, got {value!r}", key=key)
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         try:
             return tp(value)
         except ValueError:
-            raise ConfigError(f"config key {key!r} must be one of {[e.value for e in tp]}, got {value!r}") from None
+            raise ConfigError(f"config key {key!r} must be one of {[e.value for e in tp]}, got {value!r}", key=key) from None
     if isinstance(tp, type) and isinstance(value, tp):
         return value
-    raise ConfigError(f"config key {key!r} must be {_type_name(tp)}, got {value!r}")
+    raise ConfigError(f"config key {key!r} must be {_type_name(tp)}, got {value!r}", key=key)
 
 
 def _from_dict(cls: type, raw: dict, prefix: str = "", overrides: dict[str, Any] | None = None) -> Any:
@@ -287,7 +313,7 @@ def _from_dict(cls: type, raw: dict, prefix: str = "", overrides: dict[str, Any]
     for key in raw:
         if key not in init_fields:
             raise ConfigError(f"unknown config key {_join(prefix, str(key))!r}"
-                              f"{_suggest(str(key), list(init_fields), prefix)}")
+                              f"{_suggest(str(key), list(init_fields), prefix)}", _join(prefix, str(key)))
     kwargs = {}
     for name, f in init_fields.items():
         key = _join(prefix, name)
@@ -296,14 +322,17 @@ def _from_dict(cls: type, raw: dict, prefix: str = "", overrides: dict[str, Any]
         elif name in raw:
             kwargs[name] = _coerce(raw[name], hints[name], key)
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise ConfigError(f"missing required config key {key!r} ({_field_doc(cls).get(name, _type_name(hints[name]))})")
+            raise ConfigError(f"missing required config key {key!r} ({_field_doc(cls).get(name, _type_name(hints[name]))})", key=key)
     try:
         return cls(**kwargs)
     except ConfigError:
         raise
-    except (ValueError, TypeError) as e:  # a component's own __post_init__ check
+    except (ValueError, TypeError) as e:  # a component's own __post_init__ check, which names its dotted key
         msg = str(e)
-        raise ConfigError(msg if prefix and prefix in msg else f"config section {prefix or 'top level'!r}: {msg}") from e
+        keys = tuple(k for k in (_join(prefix, name) for name in init_fields) if re.search(rf"\b{re.escape(k)}\b", msg))
+        if not keys:
+            msg = f"config section {prefix or 'top level'!r}: {msg}"
+        raise ConfigError(msg, keys or prefix) from None
 
 
 def parse_overrides(items: list[str]) -> dict:
@@ -314,10 +343,7 @@ def parse_overrides(items: list[str]) -> dict:
         key = key.strip()
         if not sep or not key or any(not part for part in key.split(".")):
             raise ConfigError(f"override {item!r} is not of the form dotted.key=value")
-        try:
-            value = yaml.safe_load(text) if text.strip() else None
-        except yaml.YAMLError as e:
-            raise ConfigError(f"override {item!r}: the value is not valid YAML ({e})") from None
+        value = _override_value(item, text)
         node = out
         parts = key.split(".")
         for i, part in enumerate(parts[:-1]):
@@ -327,6 +353,22 @@ def parse_overrides(items: list[str]) -> dict:
             node = child
         node[parts[-1]] = value
     return out
+
+
+def _override_value(item: str, text: str) -> Any:
+    """A YAML scalar or list; a glob such as `*.txt` or `[*.md, *.txt]` (YAML reads `*` as an alias) is
+    taken as plain strings, so that `data.include=[*.txt]` needs no inner quotes."""
+    if not text.strip():
+        return None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        plain = text.strip()
+        if "*" in plain and not any(c in plain for c in "{}:#&!|>'\""):
+            if plain.startswith("[") and plain.endswith("]"):
+                return [part.strip() for part in plain[1:-1].split(",") if part.strip()]
+            return plain
+        raise ConfigError(f"override {item!r}: the value is not valid YAML ({str(e).splitlines()[0]})") from None
 
 
 def _merge(base: dict, over: dict) -> dict:
@@ -346,33 +388,144 @@ def config_from_dict(raw: dict, world_size: int = 1) -> TrainConfig:
     stage = _coerce(raw.get("stage", "cpt"), _hints(TrainConfig)["stage"], "stage")
     data_raw = raw.get("data")
     if data_raw is None:
-        raise ConfigError("missing required config section 'data'")
+        raise ConfigError("missing required config section 'data'", "data")
     data = _coerce(data_raw, CptDataConfig if stage == "cpt" else SftDataConfig, "data")
     cfg = _from_dict(TrainConfig, raw, overrides={"data": data})
     cfg.validate(world_size)
     return cfg
 
 
+# Input paths (not outputs: run_dir and data.cache_dir stay relative to the working directory). A relative
+# one in a config file is relative to that file; on the command line, to the working directory.
+_SPECIAL_NAMES = {"model.tokenizer": ("qwen2.5", "qwen2"), "resume": ("auto", "none", "force")}
+
+
+def _resolve(value: Any, base: Path, key: str) -> Any:
+    if not isinstance(value, str) or not value or value.startswith("~") or os.path.isabs(value):
+        return value
+    if value.lower() in _SPECIAL_NAMES.get(key, ()) or (key == "model.source" and value in PRESETS):
+        return value
+    resolved = os.path.normpath(base / value)
+    if key in ("model.source", "data.hf_dataset.name") and not os.path.exists(resolved) and "/" not in value \
+            and not value.endswith(".gguf"):
+        return value  # a name (a preset, a dataset on the Hub), not a path
+    if key == "data.hf_dataset.name" and not os.path.exists(resolved):
+        return value
+    return resolved
+
+
+def resolve_paths(raw: dict, base: str | os.PathLike) -> dict:
+    """A copy of the config dict `raw` with its relative input paths (model.source, model.tokenizer,
+    data.paths, data.hf_dataset.name, resume) made absolute against the folder `base`; names (presets,
+    `qwen2.5`, `auto`, a Hub dataset) are kept."""
+    raw, base = copy.deepcopy(raw), Path(base).resolve()
+    for section, key in (("model", "source"), ("model", "tokenizer"), ("data", "paths"), ("", "resume")):
+        node = raw.get(section) if section else raw
+        if not isinstance(node, dict) or key not in node:
+            continue
+        dotted = _join(section, key)
+        value = node[key]
+        if isinstance(value, list):
+            node[key] = [_resolve(v, base, dotted) for v in value]
+        else:
+            node[key] = _resolve(value, base, dotted)
+    hf = raw.get("data", {}).get("hf_dataset") if isinstance(raw.get("data"), dict) else None
+    if isinstance(hf, dict) and "name" in hf:
+        hf["name"] = _resolve(hf["name"], base, "data.hf_dataset.name")
+    return raw
+
+
+def _key_lines(text: str) -> dict[str, int]:
+    """The line of every dotted key (and list item, `key[i]`) of a YAML mapping."""
+    lines: dict[str, int] = {}
+
+    def walk(node, prefix: str) -> None:
+        if isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                key = _join(prefix, str(k.value))
+                lines[key] = k.start_mark.line + 1
+                walk(v, key)
+        elif isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                lines[f"{prefix}[{i}]"] = item.start_mark.line + 1
+
+    try:
+        walk(yaml.compose(text), "")
+    except yaml.YAMLError:
+        pass
+    return lines
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for k, v in tree.items():
+        key = _join(prefix, str(k))
+        if isinstance(v, dict) and v:
+            out.update(_flatten(v, key))
+        else:
+            out[key] = v
+    return out
+
+
+def _related(a: str, b: str) -> bool:
+    """Whether the dotted keys `a` and `b` name the same setting, or one holds the other."""
+    a, b = re.sub(r"\[\d+\]$", "", a), re.sub(r"\[\d+\]$", "", b)
+    return a == b or a.startswith(b + ".") or b.startswith(a + ".")
+
+
+def _where(e: ConfigError, path: Path | None, lines: dict[str, int], overrides: dict[str, str]) -> str:
+    """The error prefixed by where its value came from: the override as typed, or the file and line."""
+    for key in e.keys:
+        typed = [text for k, text in overrides.items() if _related(k, key)]
+        if typed:
+            return f"{typed[0]} (command line): {e}"
+    if path is None:
+        return str(e)
+    for key in e.keys:  # the key's line, else its section's (a missing key)
+        key = re.sub(r"\[\d+\]$", "", key) if key not in lines else key
+        while key and key not in lines:
+            key = key.rpartition(".")[0]
+        if key:
+            return f"{path}:{lines[key]}: {e}"
+    return f"{path}: {e}"
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | dict | None = None,
                 world_size: int = 1) -> TrainConfig:
-    """Read a YAML config (or none: all defaults) and apply dotted `key=value` overrides on top."""
+    """Read a YAML config (or none: all defaults) and apply dotted `key=value` overrides on top.
+
+    Relative input paths resolve against the config file's folder, those of overrides against the working
+    directory (`resolve_paths`). An error names the override as typed, or the file and line of the key.
+    """
     raw: dict = {}
+    lines: dict[str, int] = {}
     if path is not None:
         path = Path(path)
         if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist")
+            raise ConfigError(f"config file {path} does not exist" if not path.exists()
+                              else f"config file {path} is not a file")
+        text = path.read_text(encoding="utf-8")
         try:
-            raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+            raw = yaml.safe_load(text) or {}
         except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: not valid YAML: {e}") from None
+            raise ConfigError(f"{path}: not valid YAML: {' '.join(str(e).split())}") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: a config must be a mapping at the top level")
+        lines = _key_lines(text)
+        raw = resolve_paths(raw, path.parent)
+    typed: dict[str, str] = {}
     if overrides:
-        raw = _merge(raw, overrides if isinstance(overrides, dict) else parse_overrides(list(overrides)))
+        if isinstance(overrides, dict):
+            tree = overrides
+            typed = {k: f"{k}={v}" for k, v in _flatten(tree).items()}
+        else:
+            tree = parse_overrides(list(overrides))
+            typed = {item.partition("=")[0].strip(): item for item in overrides}
+        raw = _merge(raw, resolve_paths(tree, Path.cwd()))
     try:
         return config_from_dict(raw, world_size)
     except ConfigError as e:
-        raise ConfigError(f"{path}: {e}" if path is not None else str(e)) from None
+        raise ConfigError(_where(e, path, lines, typed), e.keys) from None
 
 
 def _plain(value: Any) -> Any:
@@ -400,9 +553,10 @@ def _help_lines(cls: type, prefix: str, out: list[str]) -> None:
         if not f.init:
             continue
         key, tp = _join(prefix, f.name), hints[f.name]
-        if is_dataclass(tp):
-            out.append(f"\n[{key}]  {docs.get(f.name, '')}")
-            _help_lines(tp, key, out)
+        section = _optional_section(tp)
+        if is_dataclass(tp) or section is not None:
+            out.append(f"  {key}: section{' = null (optional)' if section else ''}\n      {docs.get(f.name, '')}")
+            _help_lines(section or tp, key, out)
             continue
         if f.default is not dataclasses.MISSING:
             default = yaml.safe_dump(_plain(f.default), default_flow_style=True).strip().removesuffix("...").strip()
@@ -411,6 +565,14 @@ def _help_lines(cls: type, prefix: str, out: list[str]) -> None:
         else:
             default = "(required)"
         out.append(f"  {key}: {_type_name(tp)} = {default}\n      {docs.get(f.name, '')}")
+
+
+def _optional_section(tp: Any) -> type | None:
+    """The dataclass of an optional section (`X | None`), else None."""
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if typing.get_origin(tp) in (typing.Union, types.UnionType) and len(args) == 1 and is_dataclass(args[0]):
+        return args[0]
+    return None
 
 
 def format_config_help() -> str:

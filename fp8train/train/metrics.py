@@ -162,11 +162,11 @@ class MetricsLogger:
 
     def progress(self, step: int, loss: float, lr: float, tokens_per_s: float | None) -> None:
         if self._bar is not None:
-            self._bar.update(step - self._bar.n)
             post = {"loss": f"{loss:.4f}", "lr": f"{lr:.2e}"}
             if tokens_per_s:
                 post["tok/s"] = f"{tokens_per_s:,.0f}"
-            self._bar.set_postfix(post, refresh=False)
+            self._bar.set_postfix(post, refresh=False)  # first, so that the update draws this step's loss
+            self._bar.update(step - self._bar.n)
 
     def write(self, message: str) -> None:
         """Print a line without breaking the bar."""

@@ -8,6 +8,7 @@ decoder projections for FP8 Linears afterwards.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,7 +19,8 @@ from torch import nn
 
 from ..fp8.convert import compile_options
 
-__all__ = ["ModelConfig", "PRESETS", "build_model", "load_model_tokenizer", "parallelize_model", "decoder_layers"]
+__all__ = ["ModelConfig", "PRESETS", "build_model", "check_weights_match", "decoder_layers", "load_model_tokenizer",
+           "parallelize_model", "weight_files"]
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +81,13 @@ class ModelConfig:
     max_seq_len: int = 32768
     """Presets only: max_position_embeddings of the config."""
 
+    def __post_init__(self):
+        for key in ("num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "vocab_size",
+                    "max_seq_len"):
+            value = getattr(self, key)
+            if value is not None and value < 1:
+                raise ValueError(f"model.{key} must be >= 1, got {value}")
+
 
 def _source_kind(source: str) -> str:
     path = Path(source).expanduser()
@@ -93,17 +102,16 @@ def _source_kind(source: str) -> str:
             raise FileNotFoundError(f"config key 'model.source': {path} is a directory without config.json "
                                     "(not a Hugging Face checkpoint)")
         return "hf"
+    if path.exists():
+        raise ValueError(f"config key 'model.source': {path} is a file, not a checkpoint directory or a .gguf file")
     raise ValueError(f"config key 'model.source': {source!r} is neither an existing checkpoint directory, "
                      f"a .gguf file, nor a preset ({', '.join(PRESETS)})")
-
-
-def _has_tokenizer_files(path: Path) -> bool:
-    return any((path / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
 
 
 def load_model_tokenizer(cfg: ModelConfig):
     """The tokenizer named by `cfg.tokenizer`, else the checkpoint's own, else the Qwen2.5 tokenizer."""
     from ..data import load_tokenizer
+    from ..data.tokenizer import has_tokenizer_files
 
     if cfg.tokenizer is not None:
         return load_tokenizer(cfg.tokenizer)
@@ -113,10 +121,8 @@ def load_model_tokenizer(cfg: ModelConfig):
 
         path = Path(cfg.source).expanduser()
         return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    if kind == "hf" and _has_tokenizer_files(Path(cfg.source).expanduser()):
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(str(Path(cfg.source).expanduser()))
+    if kind == "hf" and has_tokenizer_files(Path(cfg.source).expanduser()):
+        return load_tokenizer(str(Path(cfg.source).expanduser()))
     return load_tokenizer(None)
 
 
@@ -147,6 +153,11 @@ def _preset_config(cfg: ModelConfig, vocab_len: int | None):
     if p["num_attention_heads"] % p["num_key_value_heads"]:
         raise ValueError(f"config key 'model.num_heads' ({p['num_attention_heads']}) must be a multiple of "
                          f"'model.num_kv_heads' ({p['num_key_value_heads']})")
+    head_dim = p["hidden_size"] // p["num_attention_heads"]
+    if head_dim % 2:
+        raise ValueError(f"config key 'model.hidden_size' ({p['hidden_size']}) / 'model.num_heads' "
+                         f"({p['num_attention_heads']}) gives a head dimension of {head_dim}; rotary position "
+                         "embeddings need an even head dimension")
     cls = Qwen2Config if model_type == "qwen2" else LlamaConfig
     return cls(**p, max_position_embeddings=cfg.max_seq_len, use_cache=False,
                rope_parameters={"rope_type": "default", "rope_theta": rope_theta})
@@ -179,7 +190,7 @@ def build_model(cfg: ModelConfig, tokenizer=None) -> nn.Module:
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
     else:
-        model = AutoModelForCausalLM.from_pretrained(str(Path(cfg.source).expanduser()), **kwargs)
+        model = _load_hf_dir(Path(cfg.source).expanduser(), kwargs)
     model.config.use_cache = False  # training: no KV cache
     if model.config.model_type not in _FAMILIES:
         log.warning("model type %r is not one of the tested families %s", model.config.model_type, _FAMILIES)
@@ -191,6 +202,87 @@ def build_model(cfg: ModelConfig, tokenizer=None) -> nn.Module:
         if param.dtype != torch.float32:
             param.data = param.data.float()
     return model.train()
+
+
+# --------------------------------------------------------------------------- checkpoint files, checked
+
+
+def weight_files(model_dir: Path, what: str) -> list[Path]:
+    """The safetensors files of a Hugging Face model directory, each checked to be complete (its header
+    read and its size matching it); an error names `what` (e.g. "config key 'model.source'") and the file."""
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{what}: {index} is not a safetensors index ({type(e).__name__}: {e})") from None
+        files = [model_dir / n for n in names]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise FileNotFoundError(f"{what}: {index} names shards that do not exist: {missing}")
+    else:
+        files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        other = [f.name for f in model_dir.glob("*.bin")] + [f.name for f in model_dir.glob("*.pt")]
+        hint = f" (found {other}: fp8train reads safetensors only, never pickles)" if other else ""
+        raise FileNotFoundError(f"{what}: {model_dir} has config.json but no *.safetensors weights{hint}")
+    for f in files:
+        _weight_shapes(f, what)
+    return files
+
+
+def _weight_shapes(path: Path, what: str) -> dict[str, tuple[int, ...]]:
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            return {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+    except SafetensorError as e:
+        raise ValueError(f"{what}: {path}: not a complete safetensors file ({e}); truncated or corrupt") from None
+
+
+def check_weights_match(model: nn.Module, model_dir: Path, what: str, *, strict: bool = True) -> None:
+    """Compare the tensor names and shapes in `model_dir`'s safetensors headers (no data read) with `model`.
+
+    A shape that differs is an error; so is, with `strict`, a model tensor that no file holds (a tied
+    alias counts as held) or a file tensor the model lacks. The error names `what`, the first few
+    tensors and their two shapes.
+    """
+    shapes: dict[str, tuple[int, ...]] = {}
+    for f in weight_files(model_dir, what):
+        shapes.update(_weight_shapes(f, what))
+    groups: dict[int, list[str]] = {}
+    expected = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        groups.setdefault(id(t), []).append(name)
+        expected[name] = tuple(t.shape)
+    problems = [f"{n}: file {list(shapes[n])} vs model {list(s)}" for n, s in expected.items()
+                if n in shapes and shapes[n] != s]
+    if strict:
+        problems += [f"{names[0]}: missing" for names in groups.values() if not any(n in shapes for n in names)]
+        problems += [f"{n}: not in the model" for n in shapes if n not in expected]
+    if problems:
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise ValueError(f"{what}: the weights in {model_dir} do not match the model: {'; '.join(problems[:3])}{more}")
+
+
+def _load_hf_dir(path: Path, kwargs: dict) -> nn.Module:
+    """from_pretrained of a checked directory: complete files whose tensors fit its config.json."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    what = "config key 'model.source'"
+    try:
+        config = AutoConfig.from_pretrained(str(path))
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"{what}: {path / 'config.json'} is not a usable model config ({e})") from None
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    check_weights_match(skeleton, path, what, strict=config.model_type in _FAMILIES)
+    try:
+        return AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+    except (OSError, RuntimeError) as e:
+        raise ValueError(f"{what}: transformers could not load {path}: {str(e).splitlines()[0]}") from None
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:

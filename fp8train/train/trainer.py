@@ -27,12 +27,13 @@ from ..fp8.convert import cache_fp8_weights, convert_to_fp8
 from ..fp8.health import track_fp8_health
 from ..fp8.recipe import make_recipe
 from ..export import export_hf
+from ..threads import cpu_threads
 from .checkpoint import find_latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainConfig, config_to_dict
 from .distributed import World
 from .loss import use_loss
 from .metrics import MetricsLogger, Throughput, flops_per_token, peak_memory_gib, peak_tflops
-from .model import build_model, load_model_tokenizer, parallelize_model
+from .model import PRESETS, build_model, check_weights_match, load_model_tokenizer, parallelize_model
 from .optim import build_optimizer, build_scheduler, optimizer_step
 from .resume import plan_resume
 
@@ -62,7 +63,7 @@ class TrainResult:
 
 def _pick_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("config key 'device' is 'cuda' but no CUDA device is available")
+        raise ValueError("config key 'device' is 'cuda' but no CUDA device is available")
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     return torch.device(name)
@@ -73,6 +74,25 @@ def _build_datasets(cfg: TrainConfig, tokenizer):
         train, val = build_cpt_datasets(cfg.data, tokenizer, cfg.seed)
         return train, val, None
     return build_sft_datasets(cfg.data, tokenizer, cfg.seed)
+
+
+def _check_run_dir(run_dir: Path) -> None:
+    """run_dir (or a folder above it) being a file would fail only at the first write: say so now."""
+    for path in (run_dir, *run_dir.parents):
+        if path.exists():
+            if path.is_dir():
+                return
+            where = "is a file" if path == run_dir else f"cannot be created: {path} is a file"
+            raise FileExistsError(f"config key 'run_dir': {run_dir} {where}; run_dir names the folder that receives "
+                                  "config.yaml, metrics.jsonl, checkpoints/ and final/, so pick another path")
+
+
+def _check_seq_len(cfg: TrainConfig, model: nn.Module) -> None:
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit is not None and cfg.data is not None and cfg.data.seq_len > limit:
+        raise ValueError(f"config key 'data.seq_len' ({cfg.data.seq_len}) is above the model's "
+                         f"max_position_embeddings ({limit}); lower data.seq_len"
+                         + (" or raise model.max_seq_len" if cfg.model.source in PRESETS else ""))
 
 
 def _count_targets(batch: dict) -> torch.Tensor:
@@ -96,10 +116,16 @@ class Trainer:
         self.ckpt_root = self.run_dir / "checkpoints"
         self.device = _pick_device(cfg.device)
         self.dtype = torch.bfloat16
+        _check_run_dir(self.run_dir)
         self._resume_plan = plan_resume(cfg)  # refuses, before anything is built or written, the wrong run
         torch.manual_seed(cfg.seed)
 
         self.tokenizer = tokenizer if tokenizer is not None or model is not None else load_model_tokenizer(cfg.model)
+        # The model before the data: a bad source or shape fails before tokenizing, and nothing is written
+        # before the config, the model and the data are known good.
+        torch.manual_seed(cfg.seed)  # the model init does not depend on what ran before
+        self.model = model if model is not None else build_model(cfg.model, self.tokenizer)
+        _check_seq_len(cfg, self.model)
         data_stats = None
         if train_data is None:
             train_data, val_data, data_stats = _build_datasets(cfg, self.tokenizer)
@@ -109,8 +135,6 @@ class Trainer:
         self.train_data, self.val_data = train_data, val_data
         self.total_steps = self._total_steps()
 
-        torch.manual_seed(cfg.seed)  # the model init does not depend on how much data loading drew
-        self.model = model if model is not None else build_model(cfg.model, self.tokenizer)
         self.model.to(self.device)
         self.fp8_report = convert_to_fp8(self.model, make_recipe(cfg.recipe, pow2_scale=cfg.pow2_scale))
         parallelize_model(self.model, activation_checkpointing=cfg.train.activation_checkpointing,
@@ -150,6 +174,8 @@ class Trainer:
         ckpt = self._resume_plan.checkpoint
         if ckpt is None:
             return
+        if ckpt.kind == "single":  # another model's checkpoint: one line with both shapes
+            check_weights_match(self.model, ckpt.path / "model", f"checkpoint {ckpt.path}")
         configured = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         state = load_checkpoint(ckpt, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler)
         if self._resume_plan.forced:  # resume=force: the config's optimizer and schedule apply from here on
@@ -362,7 +388,13 @@ class Trainer:
 
 
 def train(cfg: TrainConfig, **kwargs) -> TrainResult:
-    """Build a `Trainer` from `cfg` and run it to the end; under torchrun, on every rank with FSDP2."""
+    """Build a `Trainer` from `cfg` and run it to the end; under torchrun, on every rank with FSDP2.
+    On a CPU, torch uses `cfg.cpu_threads` threads meanwhile."""
+    with cpu_threads(cfg.cpu_threads if _pick_device(cfg.device).type == "cpu" else None):
+        return _train(cfg, **kwargs)
+
+
+def _train(cfg: TrainConfig, **kwargs) -> TrainResult:
     from . import distributed as dist
 
     world = dist.init_distributed(cfg.distributed)

@@ -27,10 +27,10 @@ from .config import ConfigError, TrainConfig, config_to_dict
 __all__ = ["ResumePlan", "config_changes", "plan_resume"]
 
 # Keys (or whole sections) that do not change what is computed, only how, where and how often it is observed.
-_FREE = ("run_dir", "resume", "device", "cpu_threads", "distributed", "data.cache_dir", "train.micro_batch", "train.eval_every",
-         "train.eval_batches", "train.save_every", "train.keep_last", "train.log_every", "train.health_every",
-         "train.activation_checkpointing", "train.compile", "train.cuda_graphs", "train.max_nonfinite_steps",
-         "train.loss_impl", "train.loss_chunk_tokens")
+_FREE = ("run_dir", "resume", "device", "cpu_threads", "distributed", "data.cache_dir", "train.micro_batch",
+         "train.eval_every", "train.eval_batches", "train.save_every", "train.keep_last", "train.log_every",
+         "train.health_every", "train.activation_checkpointing", "train.compile", "train.cuda_graphs",
+         "train.max_nonfinite_steps", "train.loss_impl", "train.loss_chunk_tokens")
 
 
 @dataclass

@@ -154,7 +154,7 @@ class FP8Linear(nn.Linear):
         gathered = getattr(weight, "fp8_operand", None)
         if gathered is not None:  # FSDP all-gathered it already in FP8 blocks (fsdp.py): use those
             return gathered(plan.w, plan.pow2)
-        if not self._cache_weight or torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or not self._cache_weight:  # (compiling first: no guard on the flag)
             return None, None
         key = (weight.data_ptr(), weight._version, weight.dtype, plan.key)
         if self._weight_cache is None or self._weight_cache[0] != key:

@@ -32,6 +32,7 @@ import torch
 from safetensors import safe_open
 
 from .fp8.quant import quantize
+from .train.lora import merge_saved_adapter
 
 __all__ = ["EXPORT_FORMATS", "FP8_BLOCK", "export_checkpoint", "add_cli"]
 
@@ -107,7 +108,8 @@ def _fp8_modules(shapes: dict[str, tuple[int, int]]) -> set[str]:
 def _convert(model_dir: Path, fmt: str, pow2_scale: bool) -> tuple[dict[str, torch.Tensor], dict]:
     """The output state dict and a summary (converted / kept-BF16 Linear modules)."""
     if fmt == "hf":
-        sd = {n: (t.to(torch.bfloat16) if t.is_floating_point() else t) for n, t in _read_tensors(model_dir)}
+        tensors = merge_saved_adapter(model_dir, _read_tensors(model_dir))  # a LoRA checkpoint: adapters merged
+        sd = {n: (t.to(torch.bfloat16) if t.is_floating_point() else t) for n, t in tensors}
         return sd, {}
     # Shapes first (metadata only), so the fused-group decision never needs two passes over data.
     shapes = {}
@@ -119,7 +121,7 @@ def _convert(model_dir: Path, fmt: str, pow2_scale: bool) -> tuple[dict[str, tor
                     shapes[name[: -len(".weight")]] = tuple(shape)
     to_fp8 = _fp8_modules(shapes)
     sd: dict[str, torch.Tensor] = {}
-    for name, t in _read_tensors(model_dir):
+    for name, t in merge_saved_adapter(model_dir, _read_tensors(model_dir)):
         module = _proj_module(name, t)
         if module in to_fp8:
             q = quantize(t, block=FP8_BLOCK, fmt="e4m3", pow2_scale=pow2_scale)

@@ -33,6 +33,8 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from .lora import is_lora, load_lora_model, merged_model, save_lora_model
+
 __all__ = [
     "CorruptCheckpointError",
     "capture_rng_state",
@@ -177,6 +179,8 @@ def _save_tokenizer(tokenizer, out_dir: Path) -> None:
 
 
 def _save_model_dir(model: nn.Module, out_dir: Path, tokenizer, state_dict: dict | None = None) -> None:
+    if is_lora(model):  # the adapter in out_dir/lora, the frozen base as a plain Hugging Face model in out_dir
+        model, state_dict = save_lora_model(model, out_dir)
     if not hasattr(model, "save_pretrained"):
         raise TypeError(f"model must be a Hugging Face PreTrainedModel (unwrapped), got {type(model).__name__}")
     # transformers >= 5 always writes safetensors; save_pretrained drops tied aliases by storage pointer.
@@ -220,6 +224,8 @@ def read_model_weights(model: nn.Module, model_dir: Path) -> dict[str, torch.Ten
 
 
 def _load_model_weights(model: nn.Module, model_dir: Path) -> None:
+    if is_lora(model):
+        return load_lora_model(model, model_dir)
     model.load_state_dict(read_model_weights(model, model_dir))
 
 
@@ -369,6 +375,8 @@ def export_hf(model: nn.Module, out_dir: str | os.PathLike, tokenizer=None, dtyp
     shared parameters are written. An existing non-empty `out_dir` is replaced only with `overwrite`.
     """
     out_dir = Path(out_dir)
+    if is_lora(model):
+        model = merged_model(model, dtype=dtype)  # adapters merged into the projections
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())) and not overwrite:
         raise FileExistsError(f"{out_dir} exists and is not empty; pass overwrite=True to replace it")
     if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):

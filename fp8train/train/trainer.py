@@ -30,6 +30,7 @@ from ..fp8.recipe import make_recipe
 from .checkpoint import export_hf, find_latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainConfig, config_to_dict
 from .metrics import MetricsLogger, Throughput, flops_per_token, peak_memory_gib, peak_tflops
+from .lora import apply_lora
 from .model import build_model, load_model_tokenizer, parallelize_model
 from .optim import build_optimizer, build_scheduler, clip_grad_norm
 
@@ -134,6 +135,7 @@ class Trainer:
         self.model = model if model is not None else build_model(cfg.model, self.tokenizer)
         self.model.to(self.device)
         self.fp8_report = convert_to_fp8(self.model, make_recipe(cfg.recipe, pow2_scale=cfg.pow2_scale))
+        self.model = apply_lora(self.model, cfg.model.lora, sharded=self.world.sharded)  # after FP8: base = FP8Linear
         parallelize_model(self.model, activation_checkpointing=cfg.train.activation_checkpointing,
                           compile=cfg.train.compile, cuda_graphs=cfg.train.cuda_graphs, shard=self.world.shard)
         self.model.train()
@@ -200,6 +202,10 @@ class Trainer:
                  f"(micro-batch {t.micro_batch} x {accum} accumulation x {self.world.world_size} ranks); "
                  f"{len(self.train_data)} training sequences",
                  str(self.fp8_report)]
+        if self.cfg.model.lora.enabled:
+            trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+            lines.append(f"LoRA rank {self.cfg.model.lora.rank} on {', '.join(self.cfg.model.lora.target_modules)}: "
+                         f"{trainable / 1e6:.2f}M trainable parameters, the base frozen")
         if data_stats is not None:
             lines.append(f"data: {data_stats}")
         if self._resumed_from is not None:

@@ -32,11 +32,12 @@ from torch import nn
 from transformers import Trainer, TrainerCallback
 
 from ..fp8.convert import ConversionReport, cache_fp8_weights, compile_options, convert_to_fp8
-from ..fp8.health import summarize_fp8_health, track_fp8_health
+from ..fp8.health import track_fp8_health
 from ..fp8.linear import FP8Linear
 from ..fp8.recipe import make_recipe
+from ..train.metrics import health_scalars
 
-__all__ = ["convert_for_training", "FP8TrainerCallback", "health_scalars"]
+__all__ = ["convert_for_training", "FP8TrainerCallback"]
 
 log = logging.getLogger(__name__)
 
@@ -56,15 +57,6 @@ def convert_for_training(model: nn.Module, recipe: str = "hybrid", *, pow2_scale
                     "low-precision weights (small updates round away); load the model with dtype=torch.float32 "
                     "and train with bf16=True", ", ".join(low))
     return report
-
-
-def health_scalars(stats: dict, prefix: str = "fp8_health") -> dict[str, float]:
-    """`track_fp8_health` statistics as flat scalars, aggregated by projection kind (`summarize_fp8_health`):
-    {"fp8_health/q_proj/input/underflow": ..., ...}. PEFT's LoRA layers hold the FP8Linear as `base_layer`."""
-    by_projection = {fqn.removesuffix(".base_layer"): roles for fqn, roles in stats.items()}
-    return {f"{prefix}/{kind}/{role}/{key}": float(value)
-            for kind, roles in summarize_fp8_health(by_projection).items()
-            for role, values in roles.items() for key, value in values.items()}
 
 
 class FP8TrainerCallback(TrainerCallback):

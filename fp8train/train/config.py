@@ -27,6 +27,7 @@ import yaml
 
 from ..data import CptDataConfig, SftDataConfig
 from .distributed import DistributedConfig
+from .metrics import resolve_report_to
 from .model import ModelConfig
 from .optim import OptimConfig
 
@@ -73,6 +74,9 @@ class LoopConfig:
     times BF16's kernels, which bounds short sequences by the CPU. Needs fixed shapes (packed CPT data)."""
     max_nonfinite_steps: int = 3
     """Stop with an error after this many NaN/Inf steps in a row (each is skipped: no optimizer update)."""
+    report_to: list[str] | None = None
+    """Experiment trackers for the metrics and FP8 health, as transformers spells them: some of tensorboard,
+    wandb, mlflow; `all` (those installed) or `none`. null = TensorBoard when installed."""
 
 
 @dataclass
@@ -121,6 +125,10 @@ class TrainConfig:
             raise ConfigError(f"config key 'train.epochs' must be > 0, got {t.epochs}")
         if t.keep_last is not None and t.keep_last < 1:
             raise ConfigError(f"config key 'train.keep_last' must be >= 1 or null, got {t.keep_last}")
+        try:
+            resolve_report_to(t.report_to)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         if t.cuda_graphs and not t.compile:
             raise ConfigError("config key 'train.cuda_graphs' needs 'train.compile': true (it graphs the compiled layers)")
         per_step = t.micro_batch * world_size

@@ -152,7 +152,8 @@ class Trainer:
         self._resume()
 
         self.logger = MetricsLogger(self.run_dir, total_steps=self.total_steps, start_step=self.step,
-                                    progress=progress, enabled=self.world.is_main)
+                                    report_to=cfg.train.report_to, config=config_to_dict(cfg), progress=progress,
+                                    enabled=self.world.is_main)
         if self.world.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))

@@ -16,8 +16,10 @@ catches is shown too: an FP8 weight cache left open across optimizer steps falls
 from __future__ import annotations
 
 import copy
+import importlib.util
 import random
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -245,3 +247,24 @@ def test_convert_for_training_refuses_a_peft_model_and_warns_on_bf16_weights(set
     with caplog.at_level("WARNING"):
         convert_for_training(bf16)
     assert "torch.bfloat16, not float32" in caplog.text
+
+
+def _benchmark(name: str):
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"benchmark_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_benchmark_script_runs_on_cpu(tmp_path):
+    """benchmarks/hf_trainer_gpu.py (the lead's H200 run) in its CPU mode: every trainer and recipe trains."""
+    out = tmp_path / "runs.jsonl"
+    results = _benchmark("hf_trainer_gpu").main(["--device", "cpu", "--tiny", "--out", str(out)])
+    assert [(r["trainer"], r["recipe"]) for r in results] == [("trainer", "bf16"), ("trainer", "hybrid"),
+                                                              ("sft", "bf16"), ("sft", "hybrid")]
+    assert len(out.read_text().splitlines()) == 4
+    for r in results:
+        assert r["steps"] == 3 and r["tokens_per_s"] > 0 and np.isfinite(r["loss_last"])
+    # the same rows and seed: FP8 and BF16 start from the same loss up to FP8's effect on it
+    assert abs(results[1]["loss_first"] - results[0]["loss_first"]) < 1e-2 * results[0]["loss_first"]

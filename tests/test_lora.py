@@ -161,3 +161,21 @@ def test_lora_config_errors_name_the_key(tmp_path, byte_tokenizer, corpus):
     with pytest.raises(ValueError, match="model.lora.rank.*FSDP"):
         apply_lora(build_model(cfg.model, tok), LoraConfig(rank=4), sharded=True)
     assert load_config(None, {"stage": "cpt", "data": {"paths": ["x"]}, "train": {"steps": 1}}).model.lora.rank == 0
+
+
+def test_lora_gpu_benchmark_script_runs_on_cpu(tmp_path):
+    """benchmarks/lora_gpu.py (the lead's H200 run) in its CPU mode, eager (compiling on a CPU takes minutes)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "lora_gpu.py"
+    spec = importlib.util.spec_from_file_location("benchmark_lora_gpu", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    results = bench.main(["--device", "cpu", "--tiny", "--no-compile", "--warmup", "1", "--out",
+                          str(tmp_path / "lora.jsonl")])
+    assert [r["recipe"] for r in results] == ["bf16", "hybrid"]
+    # r=16 on 2 layers: q, o 128->128; k, v 128->64; gate, up 128->256; down 256->128: r x (in + out) each
+    per_layer = 16 * (2 * 256 + 2 * 192 + 3 * 384)
+    for r in results:
+        assert r["trainable_params"] == 2 * per_layer
+        assert np.isfinite(r["loss_last"]) and r["tokens_per_s"] > 0 and r["recompiles"] == 0

@@ -102,6 +102,10 @@ def test_resume_from_a_lora_checkpoint_is_bit_exact(runs, tmp_path, byte_tokeniz
     assert resumed.step == 10
     again = resumed.fit()
     assert again.losses == {s: v for s, v in result.losses.items() if s > 10}
+    # the same checkpoint under a config without LoRA is refused, naming the key
+    plain = _config(tmp_path / "plain", byte_tokenizer, corpus, **{"model.lora.rank": 0, "resume": str(step10)})
+    with pytest.raises(ValueError, match="model.lora.rank"):
+        Trainer(plain, progress=False)
 
 
 def _plain(state: dict, config, dtype=None) -> torch.nn.Module:

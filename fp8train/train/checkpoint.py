@@ -33,7 +33,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from .lora import is_lora, load_lora_model, merged_model, save_lora_model
+from .lora import ADAPTER_DIR, is_lora, load_lora_model, merged_model, save_lora_model
 
 __all__ = [
     "CorruptCheckpointError",
@@ -226,6 +226,9 @@ def read_model_weights(model: nn.Module, model_dir: Path) -> dict[str, torch.Ten
 def _load_model_weights(model: nn.Module, model_dir: Path) -> None:
     if is_lora(model):
         return load_lora_model(model, model_dir)
+    if (model_dir / ADAPTER_DIR).is_dir():
+        raise ValueError(f"{model_dir} holds LoRA adapters ({ADAPTER_DIR}/): load it with the config key "
+                         "'model.lora.rank' set as in the run that wrote it")
     model.load_state_dict(read_model_weights(model, model_dir))
 
 

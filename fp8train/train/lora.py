@@ -115,9 +115,9 @@ def _split(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dic
 
 
 def merge_adapter_tensors(tensors: Iterable[tuple[str, torch.Tensor]], adapters: dict[str, dict[str, torch.Tensor]],
-                          scaling: float, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+                          scaling: float) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) of the base with `{module: {"A", "B"}}` merged into `module.weight` in FP32:
-    W + scaling * (B @ A), as PEFT merges; optionally cast to `dtype`. Every adapter must find its weight."""
+    W + scaling * (B @ A), as PEFT merges. Every adapter must find its weight."""
     unused = set(adapters)
     for name, t in tensors:
         module = name[: -len(".weight")] if name.endswith(".weight") else None
@@ -129,7 +129,7 @@ def merge_adapter_tensors(tensors: Iterable[tuple[str, torch.Tensor]], adapters:
                                  f"{tuple(t.shape)}")
             t = t.float() + delta
             unused.discard(module)
-        yield name, (t.to(dtype) if dtype is not None and t.is_floating_point() else t)
+        yield name, t
     if unused:
         raise ValueError(f"LoRA merge: adapters for modules the base model lacks: {sorted(unused)[:3]}")
 
@@ -137,13 +137,12 @@ def merge_adapter_tensors(tensors: Iterable[tuple[str, torch.Tensor]], adapters:
 # -------------------------------------------------------------------------------- in-memory model
 
 
-def merged_model(model: nn.Module, state: dict[str, torch.Tensor] | None = None,
-                 dtype: torch.dtype = torch.bfloat16) -> nn.Module:
-    """A plain Hugging Face model (no PEFT) holding the merged weights of a LoRA `model` (or of its gathered
-    `state`): merged projections in `dtype`, every other tensor shared with the source. For exports."""
+def merged_model(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
+    """A plain Hugging Face model (no PEFT) holding the merged weights of a LoRA `model`: merged projections
+    in `dtype`, every other tensor shared with the source (nothing else copied). For exports."""
     from transformers import AutoModelForCausalLM
 
-    base, adapters = _split(state if state is not None else base_model(model).state_dict())
+    base, adapters = _split(base_model(model).state_dict())
     scaling = _scaling(model.peft_config[_ADAPTER].to_dict())
     out = {n: (t.to(dtype) if n.removesuffix(".weight") in adapters else t.detach())
            for n, t in merge_adapter_tensors(base.items(), adapters, scaling)}

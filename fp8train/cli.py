@@ -112,10 +112,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--title", default=None, help="figure title (default: none)")
     p.set_defaults(func=_run_plot)
 
-    p = sub.add_parser("demo", help="a small real FP8-vs-BF16 CPT run on Python's standard library sources",
-                       description="CPT of a small Qwen2-architecture model with the Qwen2.5 tokenizer on the "
-                       "Python standard library sources, in FP8 (hybrid) and BF16 with the same seed and "
-                       "data; prints both losses and writes OUT/loss.png. Uses the GPU when there is one.")
+    p = sub.add_parser("demo", help="FP8 vs BF16 end to end, small: CPT, SFT, evaluation, fp8-block export",
+                       description="A small Qwen2-architecture model with the Qwen2.5 tokenizer, in FP8 (hybrid) "
+                       "and BF16 with the same seed and data: CPT on the Python standard library sources, SFT "
+                       "on a generated chat task, evaluation of both, an fp8-block export of the FP8 model; "
+                       "prints one table and writes OUT/loss.png and OUT/sft_loss.png. Uses the GPU when there "
+                       "is one.")
     p.add_argument("--out", default="runs/demo", help="output directory (default: runs/demo)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--steps", type=int, default=None, help="override the number of steps")

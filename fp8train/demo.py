@@ -1,19 +1,30 @@
-"""`fp8train demo`: a small real FP8-vs-BF16 continual-pretraining job that runs anywhere.
+"""`fp8train demo`: the whole mission, small: FP8 vs BF16 through CPT, SFT, evaluation and an FP8 export.
 
-A small Qwen2-architecture model (random init, tied embeddings) learns Python from the standard
-library sources of the running interpreter, tokenized with the real Qwen2.5 tokenizer. The same
-config, seed and data run twice: with the `hybrid` FP8 recipe (emulated on a CPU) and in BF16. Both
-final train/val losses, their relative gap and an overlay plot (OUT/loss.png) come out.
+1. CPT. A small Qwen2-architecture model (random init, tied embeddings) learns Python from the standard
+   library sources of the running interpreter, tokenized with the real Qwen2.5 tokenizer, twice: with the
+   `hybrid` FP8 recipe (emulated on a CPU) and in BF16, same config, seed and data.
+2. SFT. Each CPT model is fine-tuned in its own recipe on a generated chat task it can learn in a minute:
+   the capitals of 12 countries asked in four phrasings ("Capital of France?" -> "Answer: Paris";
+   assistant-only loss, ChatML template).
+3. Evaluation. Both SFT models answer the 12 questions in a fifth phrasing that training never shows
+   (`fp8train.eval`, greedy decoding): accuracy (a model that has not learned the task names one city
+   for every country: 1 in 12).
+4. Export. The FP8 SFT model is exported as an `fp8-block` checkpoint (E4M3, 128x128 block scales).
+One table comes out (CPT gap, SFT gap, accuracy of each, the export path) and two overlay plots
+(OUT/loss.png for CPT, OUT/sft_loss.png for SFT).
 
 CPU budget: the 151,936-row tied embedding / LM head (19.4M of the 19.7M parameters) costs far more
-than the 2-layer, 128-wide decoder, about 1 ms per token on one core, so each run is 40 steps of
-8 x 128 tokens. Measured on a shared, busy 2-core VM: about 2 minutes for the whole command (45-65 s
-per run, the rest start-up, tokenizer and data). With a GPU the same command trains a bigger model for longer.
+than the 2-layer, 128-wide decoder, about 1 ms per token on one core: CPT is 40 steps of 8 x 128 tokens,
+SFT 200 steps of 2 x 128 (small batches: from the BF16 CPT model these reached 12/12 on the held-out
+phrasing, while 50 steps of 8 x 128, the same tokens, stayed at 1/12). With a GPU the same command trains
+a bigger model for longer.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import random
 import shutil
 import sysconfig
 import time
@@ -23,14 +34,16 @@ from pathlib import Path
 import torch
 
 from .train.config import LoopConfig, TrainConfig
-from .data import CptDataConfig, build_cpt_datasets, load_tokenizer
+from .data import CptDataConfig, SftDataConfig, build_cpt_datasets, load_tokenizer
 from .train.model import ModelConfig
 from .train.optim import OptimConfig
+from .eval import EvalConfig, run_eval
+from .export import export_checkpoint
 from .plot import plot_runs
 from .threads import cpu_threads
 from .train.trainer import Trainer
 
-__all__ = ["DemoConfig", "run_demo", "stdlib_sources"]
+__all__ = ["DemoConfig", "run_demo", "stdlib_sources", "sft_task", "TASK_INSTRUCTION"]
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +59,7 @@ class DemoConfig:
     device: str = "auto"
     """`auto` (CUDA when available), `cpu` or `cuda`; the sizes below depend on it."""
     steps: int | None = None
-    """Override the number of optimizer steps (CPU: 40, GPU: 300)."""
+    """Override the number of optimizer steps of CPT and of SFT (CPU: 40 and 200, GPU: 300 and 300)."""
     seed: int = 0
     """Model init and data order, shared by both runs."""
     cpu_threads: int | None = 1
@@ -54,15 +67,25 @@ class DemoConfig:
     says why one: on a shared 2-core VM the demo took 1m58s with one thread against 4m36s with two)."""
 
 
-# (model overrides, seq_len, global_batch, micro_batch, steps, peak lr, source bytes, token budget)
+# CPT: (model overrides, seq_len, global_batch, micro_batch, steps, peak lr, source bytes, token budget);
+# sft: the SFT run on the generated task (steps, rows of seq_len tokens, batch, peak lr, chats generated).
 _SIZES = {
     "cpu": dict(model=dict(num_layers=2, hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2),
                 seq_len=128, global_batch=8, micro_batch=4, steps=40, lr=3e-3, source_bytes=1_500_000,
-                max_tokens=300_000),
+                max_tokens=300_000,
+                sft=dict(steps=200, seq_len=128, global_batch=2, micro_batch=2, lr=3e-3, samples=3000)),
     "cuda": dict(model=dict(num_layers=8, hidden_size=512, intermediate_size=1536, num_heads=8, num_kv_heads=2),
                  seq_len=1024, global_batch=32, micro_batch=8, steps=300, lr=2e-3, source_bytes=40_000_000,
-                 max_tokens=8_000_000),
+                 max_tokens=8_000_000,
+                 sft=dict(steps=300, seq_len=128, global_batch=4, micro_batch=4, lr=1e-3, samples=6000)),
 }
+TASK_INSTRUCTION = "Reply with the city."
+_CAPITALS = (("France", "Paris"), ("Italy", "Rome"), ("Japan", "Tokyo"), ("Egypt", "Cairo"), ("Spain", "Madrid"),
+             ("Germany", "Berlin"), ("Russia", "Moscow"), ("China", "Beijing"), ("Kenya", "Nairobi"), ("Peru", "Lima"),
+             ("Cuba", "Havana"), ("Greece", "Athens"))
+_TRAIN_PHRASINGS = ("What is the capital of {}?", "Capital of {}?", "Which city is the capital of {}?",
+                    "Tell me the capital of {}.")
+_EVAL_PHRASING = "Name the capital of {}."
 
 
 def stdlib_sources(max_bytes: int, min_file_bytes: int = 2048) -> list[Path]:
@@ -107,8 +130,42 @@ def _demo_config(demo: DemoConfig, device: str, recipe: str, files: list[Path], 
     )
 
 
+def sft_task(n: int, seed: int) -> tuple[list[dict], list[dict]]:
+    """(n training chats, the 12 evaluation problems) of the capitals task: {"question", "answer", "response"}.
+    Training asks in four phrasings, the evaluation in a fifth; the response is "Answer: <city>"."""
+    rng = random.Random(seed)
+
+    def item(country: str, city: str, phrasing: str) -> dict:
+        return {"question": phrasing.format(country), "answer": city, "response": f"Answer: {city}"}
+
+    train = [item(*rng.choice(_CAPITALS), rng.choice(_TRAIN_PHRASINGS)) for _ in range(n)]
+    return train, [item(country, city, _EVAL_PHRASING) for country, city in _CAPITALS]
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def _sft_config(demo: DemoConfig, device: str, recipe: str, base: Path, data: Path, out: Path) -> TrainConfig:
+    size = _SIZES[device]["sft"]
+    steps = demo.steps or size["steps"]
+    return TrainConfig(
+        stage="sft", run_dir=str(out / f"sft_{_run_name(recipe)}"), resume="none", seed=demo.seed, device=device,
+        recipe=recipe, model=ModelConfig(source=str(base)),
+        data=SftDataConfig(paths=[str(data)], seq_len=size["seq_len"], val_fraction=0.05),
+        optim=OptimConfig(lr=size["lr"], min_lr=size["lr"] / 10, weight_decay=0.0, grad_clip=1.0, schedule="cosine",
+                          warmup_ratio=0.05),
+        train=LoopConfig(steps=steps, global_batch=size["global_batch"], micro_batch=size["micro_batch"],
+                         eval_every=max(1, steps // 4), eval_batches=8, save_every=0, keep_last=1, log_every=1,
+                         health_every=max(1, steps // 2)),
+    )
+
+
 def run_demo(demo: DemoConfig | None = None) -> dict:
-    """Run the FP8 and BF16 jobs and the plot; return {recipe: {"loss", "val_loss", "seconds"}}."""
+    """Run CPT, SFT, evaluation (both recipes) and the FP8 export; return {recipe: {"loss", "val_loss",
+    "first_loss", "seconds", "sft_loss", "sft_val_loss", "accuracy"[, "export"]}} (CPT keys unprefixed)."""
     demo = demo or DemoConfig()
     device = demo.device if demo.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     with cpu_threads(demo.cpu_threads if device == "cpu" else None):
@@ -127,27 +184,60 @@ def _run(demo: DemoConfig, device: str) -> dict:
     print(f"data: {len(train_data)} training and {len(val_data) if val_data else 0} validation sequences "
           f"of {probe.data.seq_len} tokens")
 
-    results = {}
-    for recipe in ("hybrid", "bf16"):
+    results, cpt_models = {}, {}
+    for recipe in ("hybrid", "bf16"):  # 1. CPT
         cfg = _demo_config(demo, device, recipe, files, out)
-        shutil.rmtree(cfg.run_dir, ignore_errors=True)  # the demo owns these two directories
+        shutil.rmtree(cfg.run_dir, ignore_errors=True)  # the demo owns its run directories
         t0 = time.perf_counter()
         res = Trainer(cfg, tokenizer=tokenizer, train_data=train_data, val_data=val_data).fit()
         tail = [res.losses[s] for s in sorted(res.losses)[-5:]]
         results[recipe] = {"loss": sum(tail) / len(tail), "val_loss": res.val_loss,
                            "seconds": time.perf_counter() - t0, "first_loss": res.losses[min(res.losses)]}
+        cpt_models[recipe] = res.run_dir / "checkpoints" / f"step_{res.step:08d}" / "model"  # FP32, as trained
     png = plot_runs([out / _run_name("hybrid"), out / "bf16"], out / "loss.png",
                     title=f"fp8train demo: FP8 (hybrid) vs BF16, CPT on the Python stdlib ({device})")
 
+    size = _SIZES[device]["sft"]  # 2. SFT on a generated chat task, 3. evaluation on held-out phrasings
+    train, held_out = sft_task(size["samples"], seed=demo.seed + 1)
+    # the user turn as `fp8train eval` writes it: the question, a blank line, the instruction
+    train_file = _write_jsonl(out / "task" / "train.jsonl", [
+        {"prompt": f"{p['question']}\n\n{TASK_INSTRUCTION}", "response": p["response"]} for p in train])
+    eval_file = _write_jsonl(out / "task" / "eval.jsonl", [{"question": p["question"], "answer": p["answer"]}
+                                                           for p in held_out])
+    print(f"SFT task: {len(train)} generated chats ('{train[0]['question']}' -> '{train[0]['response']}'), "
+          f"evaluated on {len(held_out)} questions phrased as '{held_out[0]['question']}'")
+    sft_dirs = {}
+    for recipe in ("hybrid", "bf16"):
+        cfg = _sft_config(demo, device, recipe, cpt_models[recipe], train_file, out)
+        shutil.rmtree(cfg.run_dir, ignore_errors=True)
+        t0 = time.perf_counter()
+        res = Trainer(cfg, tokenizer=tokenizer).fit()
+        tail = [res.losses[s] for s in sorted(res.losses)[-5:]]
+        metrics = run_eval(EvalConfig(model=str(res.final_dir), data=str(eval_file), instruction=TASK_INSTRUCTION,
+                                      greedy=True, max_new_tokens=8, batch_size=len(held_out), out=str(out / f"eval_{_run_name(recipe)}")))
+        results[recipe].update(sft_loss=sum(tail) / len(tail), sft_val_loss=res.val_loss, accuracy=metrics["pass@1"],
+                               sft_seconds=time.perf_counter() - t0)
+        sft_dirs[recipe] = res.run_dir
+    sft_png = plot_runs([sft_dirs["hybrid"], sft_dirs["bf16"]], out / "sft_loss.png",
+                        title=f"fp8train demo: FP8 (hybrid) vs BF16, SFT on '{TASK_INSTRUCTION}' ({device})")
+
+    export = out / "fp8_block"  # 4. the FP8 model as an fp8-block checkpoint for serving
+    shutil.rmtree(export, ignore_errors=True)
+    results["hybrid"]["export"] = export_checkpoint(sft_dirs["hybrid"] / "final", export, format="fp8-block")
+
     f8, b16 = results["hybrid"], results["bf16"]
-    print("\nrecipe        first loss   final train loss (mean of last 5)   final val loss   time")
-    for name, r in (("fp8 hybrid", f8), ("bf16", b16)):
-        val = f"{r['val_loss']:.4f}" if r["val_loss"] is not None else "n/a"
-        print(f"{name:<12}  {r['first_loss']:>10.4f}   {r['loss']:>33.4f}   {val:>14}   {r['seconds']:.0f} s")
-    gap_train = (f8["loss"] - b16["loss"]) / b16["loss"]
-    line = f"relative gap FP8 vs BF16: train {gap_train:+.2%}"
+    n = len(held_out)
+    print(f"\n{'':<26}{'FP8 (hybrid)':>14}{'BF16':>10}{'FP8 - BF16':>12}")
+    for label, key in (("CPT train loss (last 5)", "loss"), ("CPT val loss", "val_loss"),
+                       ("SFT train loss (last 5)", "sft_loss"), ("SFT val loss", "sft_val_loss")):
+        if f8.get(key) is not None and b16.get(key) is not None:
+            print(f"{label:<26}{f8[key]:>14.4f}{b16[key]:>10.4f}{f8[key] - b16[key]:>+12.4f}")
+    right = [round(r["accuracy"] * n) for r in (f8, b16)]
+    print(f"{'task accuracy (held out)':<26}{f'{right[0]}/{n}':>14}{f'{right[1]}/{n}':>10}{right[0] - right[1]:>+12d}")
+    line = f"relative gap FP8 vs BF16: CPT train {(f8['loss'] - b16['loss']) / b16['loss']:+.2%}"
     if f8["val_loss"] is not None and b16["val_loss"] is not None:
         line += f", val {(f8['val_loss'] - b16['val_loss']) / b16['val_loss']:+.2%}"
-    print(line)
-    print(f"plot: {png}   runs: {out / _run_name('hybrid')}, {out / 'bf16'}   total {time.perf_counter() - t_start:.0f} s")
+    print(line + f"; SFT train loss {f8['sft_loss'] - b16['sft_loss']:+.4f} nats")
+    print(f"fp8-block export of the FP8 model: {f8['export']}")
+    print(f"plots: {png}, {sft_png}   runs: {out}   total {time.perf_counter() - t_start:.0f} s")
     return results

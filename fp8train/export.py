@@ -41,6 +41,7 @@ from .data.tokenizer import TOKENIZER_FILES
 from .fp8.quant import quantize
 from .train import files as fs
 from .train.checkpoint import hf_model_dir, save_model_dir
+from .train.lora import is_lora, merge_saved_adapter, merged_model
 from .train.model import weight_files
 
 __all__ = ["EXPORT_FORMATS", "FP8_BLOCK", "export_checkpoint", "export_hf", "add_cli"]
@@ -102,7 +103,8 @@ def _fp8_modules(shapes: dict[str, tuple[int, int]]) -> set[str]:
 def _convert(model_dir: Path, fmt: str, pow2_scale: bool) -> tuple[dict[str, torch.Tensor], dict]:
     """The output state dict and a summary (converted / kept-BF16 Linear modules)."""
     if fmt == "hf":
-        sd = {n: (t.to(torch.bfloat16) if t.is_floating_point() else t) for n, t in _read_tensors(model_dir)}
+        tensors = merge_saved_adapter(model_dir, _read_tensors(model_dir))  # a LoRA checkpoint: adapters merged
+        sd = {n: (t.to(torch.bfloat16) if t.is_floating_point() else t) for n, t in tensors}
         return sd, {}
     # Shapes first (metadata only), so the fused-group decision never needs two passes over data.
     shapes = {}
@@ -114,7 +116,7 @@ def _convert(model_dir: Path, fmt: str, pow2_scale: bool) -> tuple[dict[str, tor
                     shapes[name[: -len(".weight")]] = tuple(shape)
     to_fp8 = _fp8_modules(shapes)
     sd: dict[str, torch.Tensor] = {}
-    for name, t in _read_tensors(model_dir):
+    for name, t in merge_saved_adapter(model_dir, _read_tensors(model_dir)):
         module = _proj_module(name, t)
         if module in to_fp8:
             q = quantize(t, block=FP8_BLOCK, fmt="e4m3", pow2_scale=pow2_scale)
@@ -205,6 +207,8 @@ def export_hf(model: nn.Module, out_dir: str | os.PathLike, tokenizer=None, dtyp
     from .train.distributed import all_ranks_ok, gather_full_state_dict, get_rank, is_sharded_model
 
     out_dir = Path(out_dir)
+    if is_lora(model):
+        model = merged_model(model, dtype=dtype)  # adapters merged into the projections
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())) and not overwrite:
         raise FileExistsError(f"{out_dir} exists and is not empty; pass overwrite=True to replace it")
     if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):

@@ -7,11 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
 from fp8train.cli import build_parser, main
 from fp8train.train.config import load_config
-from fp8train.demo import _demo_config, DemoConfig, stdlib_sources
 from test_trainer import TINY_CONFIG, byte_tokenizer, corpus, one_thread, tiny_overrides  # noqa: F401
 
 _STEP_KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "tflops", "mfu", "peak_mem_gib", "tokens",
@@ -136,35 +134,6 @@ def test_help_config_and_subcommands(capsys):
     sub = next(a for a in build_parser()._actions if a.dest == "command")
     assert {"train", "plot", "demo", "export", "eval"} <= set(sub.choices)
 
-
-def test_demo_config_is_valid_and_reads_capped_stdlib(tmp_path):
-    files = stdlib_sources(300_000)
-    assert files and sum(f.stat().st_size for f in files) <= 300_000
-    assert all(f.suffix == ".py" and "site-packages" not in f.parts for f in files)
-    for recipe in ("hybrid", "bf16"):
-        cfg = _demo_config(DemoConfig(out_dir=str(tmp_path)), "cpu", recipe, files, tmp_path)
-        cfg.validate()
-        assert cfg.model.source == "tiny-qwen2" and cfg.model.tokenizer is None  # the real Qwen2.5 tokenizer
-        assert cfg.recipe == recipe and cfg.run_dir == str(tmp_path / ("bf16" if recipe == "bf16" else "fp8_hybrid"))
-        assert yaml.safe_dump(cfg.train.__dict__)
-
-
-def test_demo_flow_end_to_end_scaled_down(tmp_path, monkeypatch, byte_tokenizer, capsys):
-    """The demo's whole flow (stdlib corpus, both runs, plot, summary) with the byte tokenizer and a few
-    steps; the full-size run is `fp8train demo` (about 2 minutes on 2 cores)."""
-    from fp8train import demo
-    from fp8train.data import load_tokenizer
-
-    monkeypatch.setattr(demo, "load_tokenizer", lambda source: load_tokenizer(str(byte_tokenizer)))
-    small = dict(demo._SIZES["cpu"], steps=4, source_bytes=300_000, max_tokens=None)
-    monkeypatch.setitem(demo._SIZES, "cpu", small)
-    results = demo.run_demo(demo.DemoConfig(out_dir=str(tmp_path), device="cpu"))
-    out = capsys.readouterr().out
-    assert set(results) == {"hybrid", "bf16"} and "relative gap FP8 vs BF16" in out
-    for r in results.values():
-        assert r["loss"] < r["first_loss"] and r["val_loss"] is not None
-    assert (tmp_path / "loss.png").read_bytes()[:4] == b"\x89PNG"
-    assert (tmp_path / "fp8_hybrid" / "final" / "config.json").is_file() and (tmp_path / "bf16" / "metrics.jsonl").is_file()
 
 
 # ------------------------------------------------------------------ bad input: one line, exit 2, nothing written

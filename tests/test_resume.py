@@ -239,10 +239,10 @@ def test_resumed_metrics_drop_steps_past_the_checkpoint_and_a_torn_line(tmp_path
 
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1, "loss": 3.0}\n{"step": 2, "loss": 2.5}\n{"step": 3, "loss": 2.0}\n{"step": 4, "lo')
-    logger = MetricsLogger(tmp_path, total_steps=5, start_step=2, tensorboard=False, progress=False)
+    logger = MetricsLogger(tmp_path, total_steps=5, start_step=2, report_to="none", progress=False)
     logger.log({"step": 3, "loss": 1.5})
     logger.close()
     assert read_jsonl(path) == [{"step": 1, "loss": 3.0}, {"step": 2, "loss": 2.5}, {"step": 3, "loss": 1.5}]
     path.write_text('{"step": 1}\nnot json\n')
     with pytest.raises(ValueError, match=r"metrics.jsonl:2: not valid JSON"):
-        MetricsLogger(tmp_path, total_steps=5, start_step=1, tensorboard=False, progress=False)
+        MetricsLogger(tmp_path, total_steps=5, start_step=1, report_to="none", progress=False)

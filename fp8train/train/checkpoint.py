@@ -48,6 +48,7 @@ from torch import nn
 
 from . import files as fs
 from .distributed import all_ranks_ok, get_rank, is_sharded_model
+from .lora import ADAPTER_DIR, is_lora, load_lora_model, save_lora_model
 
 __all__ = ["Checkpoint", "CorruptCheckpointError", "capture_rng_state", "find_latest_checkpoint", "hf_model_dir",
            "load_checkpoint", "read_model_weights", "restore_rng_state", "save_checkpoint", "save_model_dir", "tied_names",
@@ -118,6 +119,8 @@ def restore_rng_state(state: dict) -> None:
 
 def save_model_dir(model: nn.Module, out_dir: Path, tokenizer=None, state_dict: dict | None = None) -> None:
     """`model` (and `tokenizer`) as a Hugging Face directory (safetensors)."""
+    if is_lora(model):  # the adapter in out_dir/lora, the frozen base as a plain Hugging Face model in out_dir
+        model, state_dict = save_lora_model(model, out_dir)
     if not hasattr(model, "save_pretrained"):
         raise TypeError(f"model must be a Hugging Face PreTrainedModel (unwrapped), got {type(model).__name__}")
     # transformers >= 5 always writes safetensors; save_pretrained drops tied aliases by storage pointer.
@@ -411,7 +414,14 @@ def _read(ckpt: Checkpoint, model: nn.Module, optimizer, sharded_model: bool, ma
         dcp_files = {rel[4:]: e["size"] for rel, e in ckpt.files.items() if rel.startswith("dcp/")}
         state["dcp_metadata"] = _sharded.read_metadata(ckpt.path / "dcp", dcp_files)
         return state
-    state["model"] = read_model_weights(model, ckpt.path / "model")
+    model_dir = ckpt.path / "model"
+    if is_lora(model):  # read with the adapter by load_lora_model
+        pass
+    elif (model_dir / ADAPTER_DIR).is_dir():
+        raise ValueError(f"{model_dir} holds LoRA adapters ({ADAPTER_DIR}/): load it with the config key "
+                         "'model.lora.rank' set as in the run that wrote it")
+    else:
+        state["model"] = read_model_weights(model, model_dir)
     if optimizer is not None:
         state["optimizer"] = _torch_load(ckpt.path / "optimizer.pt", map_location)
         if sharded_model:
@@ -442,7 +452,10 @@ def load_checkpoint(checkpoint: str | os.PathLike | Checkpoint, *, model: nn.Mod
     elif sharded_model:
         _sharded.load_full_state(model, optimizer, state["model"], state.get("optimizer"))
     else:
-        model.load_state_dict(state["model"])
+        if is_lora(model):  # (LoRA runs are single-process: apply_lora refuses FSDP)
+            load_lora_model(model, ckpt.path / "model")
+        else:
+            model.load_state_dict(state["model"])
         if optimizer is not None:
             optimizer.load_state_dict(state["optimizer"])
     if scheduler is not None:

@@ -30,6 +30,7 @@ import yaml
 
 from ..data import CptDataConfig, SftDataConfig
 from .distributed import DistributedConfig
+from .metrics import resolve_report_to
 from .model import PRESETS, ModelConfig
 from .optim import OptimConfig, lr_lambda
 
@@ -89,6 +90,9 @@ class LoopConfig:
     Hugging Face forward (full FP32 logits). All three compute the same loss (fp8train/train/loss.py)."""
     loss_chunk_tokens: int | None = None
     """Tokens per chunk of `loss_impl: chunked`; null = enough for 2**28 logits per chunk (1 GiB as FP32)."""
+    report_to: list[str] | None = None
+    """Experiment trackers for the metrics and FP8 health, as transformers spells them: some of tensorboard,
+    wandb, mlflow; `all` (those installed) or `none`. null = TensorBoard when installed."""
 
 
 @dataclass
@@ -148,6 +152,10 @@ class TrainConfig:
         if t.loss_chunk_tokens is not None and t.loss_chunk_tokens < 1:
             raise ConfigError(f"config key 'train.loss_chunk_tokens' must be >= 1 or null, got {t.loss_chunk_tokens}",
                               "train.loss_chunk_tokens")
+        try:
+            resolve_report_to(t.report_to)
+        except ValueError as e:
+            raise ConfigError(str(e), "train.report_to") from None
         if t.cuda_graphs and not t.compile:
             raise ConfigError("config key 'train.cuda_graphs' needs 'train.compile': true (it graphs the compiled layers)",
                               ("train.cuda_graphs", "train.compile"))

@@ -1,13 +1,18 @@
-"""Observability: model FLOPs, MFU, the progress bar, metrics.jsonl, TensorBoard and FP8 health logs.
+"""Observability: model FLOPs, MFU, the progress bar, metrics.jsonl, FP8 health logs, and the experiment
+trackers of `train.report_to` (TensorBoard, Weights & Biases, MLflow).
 
 run_dir/metrics.jsonl has one JSON object per logged step (and per evaluation):
     step, loss, lr, grad_norm, tokens_per_s, tflops, mfu, peak_mem_gib, skipped_steps[, val_loss]
 run_dir/fp8_health.jsonl has one object per health check: {"step", "layers": {fqn: {role: stats}}}.
 A resumed run first drops the entries past its checkpoint, so each file reads as one uninterrupted run.
+The trackers get the same scalars (`train/<key>`, `val/loss`) and the health aggregated by projection
+(`fp8_health/<proj>/<role>/<stat>`); W&B and MLflow read their own settings (WANDB_MODE, WANDB_PROJECT,
+MLFLOW_TRACKING_URI, ...), and a resumed run starts a new tracker run of the same name.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -18,7 +23,7 @@ from pathlib import Path
 import torch
 
 __all__ = ["flops_per_token", "peak_tflops", "MetricsLogger", "Throughput", "read_jsonl", "health_summary",
-           "peak_memory_gib"]
+           "health_scalars", "peak_memory_gib", "REPORT_TO", "resolve_report_to"]
 
 # Dense datasheet peaks in TFLOP/s per GPU: (BF16, FP8). None = no FP8 tensor cores.
 _PEAK_TFLOPS = {"H100": (989.0, 1979.0), "H200": (989.0, 1979.0), "H800": (989.0, 1979.0),
@@ -109,15 +114,111 @@ def health_summary(stats: dict) -> str:
     return f"fp8 health ({len(stats)} layers) " + "; ".join(parts)
 
 
+def health_scalars(stats: dict, prefix: str = "fp8_health") -> dict[str, float]:
+    """`track_fp8_health` statistics as flat scalars, aggregated by projection kind (`summarize_fp8_health`):
+    {"fp8_health/q_proj/input/underflow": ..., ...}. PEFT's LoRA layers hold the FP8Linear as `base_layer`."""
+    from ..fp8.health import summarize_fp8_health
+
+    by_projection = {fqn.removesuffix(".base_layer"): roles for fqn, roles in stats.items()}
+    return {f"{prefix}/{kind}/{role}/{key}": float(value)
+            for kind, roles in summarize_fp8_health(by_projection).items()
+            for role, values in roles.items() for key, value in values.items()}
+
+
+REPORT_TO = ("tensorboard", "wandb", "mlflow")
+_PACKAGE = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
+
+
+def _installed(name: str) -> bool:
+    return importlib.util.find_spec(_PACKAGE[name]) is not None
+
+
+def resolve_report_to(value: "list[str] | str | None") -> list[str]:
+    """`train.report_to` as transformers spells it: a list of `tensorboard`, `wandb`, `mlflow`; `all` (those
+    installed) or `none`; null = TensorBoard when it is installed. A named tracker must be installed."""
+    if value is None:
+        return ["tensorboard"] if _installed("tensorboard") else []
+    names = [value] if isinstance(value, str) else list(value)
+    if names in ([], ["none"]):
+        return []
+    if names == ["all"]:
+        return [n for n in REPORT_TO if _installed(n)]
+    for name in names:
+        if name not in REPORT_TO:
+            raise ValueError(f"config key 'train.report_to': unknown tracker {name!r}; expected some of "
+                             f"{list(REPORT_TO)}, 'all' or 'none'")
+        if not _installed(name):
+            raise ValueError(f"config key 'train.report_to' names {name}, which is not installed: "
+                             f"pip install {_PACKAGE[name]}  (or pip install 'fp8train[loggers]')")
+    return list(dict.fromkeys(names))
+
+
+class _TensorBoard:
+    def __init__(self, run_dir: Path, start_step: int, config: dict):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self._w = SummaryWriter(str(run_dir / "tensorboard"), purge_step=start_step + 1)
+
+    def log(self, scalars: dict[str, float], step: int) -> None:
+        for key, value in scalars.items():
+            self._w.add_scalar(key, value, step)
+
+    def close(self) -> None:
+        self._w.close()
+
+
+class _WandB:
+    def __init__(self, run_dir: Path, start_step: int, config: dict):
+        import wandb
+
+        self._run = wandb.init(name=run_dir.name, dir=str(run_dir), config=config, reinit="create_new")
+
+    def log(self, scalars: dict[str, float], step: int) -> None:
+        self._run.log(scalars, step=step)
+
+    def close(self) -> None:
+        self._run.finish()
+
+
+class _MLflow:
+    def __init__(self, run_dir: Path, start_step: int, config: dict):
+        import mlflow
+
+        self._mlflow = mlflow
+        self._run = mlflow.start_run(run_name=run_dir.name)
+        mlflow.log_params(_flatten(config))
+
+    def log(self, scalars: dict[str, float], step: int) -> None:
+        self._mlflow.log_metrics(scalars, step=step, run_id=self._run.info.run_id)
+
+    def close(self) -> None:
+        self._mlflow.end_run()
+
+
+_TRACKERS = {"tensorboard": _TensorBoard, "wandb": _WandB, "mlflow": _MLflow}
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict[str, str]:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = str(value)
+    return out
+
+
 class MetricsLogger:
-    """Writes metrics.jsonl and fp8_health.jsonl, mirrors scalars to TensorBoard when it is installed,
-    and drives a tqdm bar. Only rank 0 makes one (`enabled=False` elsewhere)."""
+    """Writes metrics.jsonl and fp8_health.jsonl, mirrors the scalars to the trackers of `report_to`
+    (`resolve_report_to`; `config`, the resolved run config, goes to W&B and MLflow), and drives a tqdm bar.
+    Only rank 0 makes one (`enabled=False` elsewhere)."""
 
     def __init__(self, run_dir: str | os.PathLike, *, total_steps: int, start_step: int = 0,
-                 tensorboard: bool = True, progress: bool = True, enabled: bool = True):
+                 report_to: "list[str] | str | None" = None, config: dict | None = None, progress: bool = True,
+                 enabled: bool = True):
         self.run_dir = Path(run_dir)
         self.enabled = enabled
-        self._tb = None
+        self._trackers: list = []
         self._bar = None
         if not enabled:
             return
@@ -126,13 +227,8 @@ class MetricsLogger:
         self.health_path = self.run_dir / "fp8_health.jsonl"
         for path in (self.metrics_path, self.health_path):
             _truncate_jsonl(path, start_step)
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:  # optional extra `tb`
-                SummaryWriter = None
-            if SummaryWriter is not None:
-                self._tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=start_step + 1)
+        for name in resolve_report_to(report_to):
+            self._trackers.append(_TRACKERS[name](self.run_dir, start_step, config or {}))
         if progress:
             from tqdm.auto import tqdm
 
@@ -143,20 +239,24 @@ class MetricsLogger:
         with open(path, "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
 
+    def _track(self, scalars: dict, step: int) -> None:
+        scalars = {k: float(v) for k, v in scalars.items() if isinstance(v, (int, float)) and math.isfinite(v)}
+        for tracker in self._trackers:
+            tracker.log(scalars, step)
+
     def log(self, record: dict) -> None:
-        """Append one record (it must have `step`); None and non-finite values stay out of TensorBoard."""
+        """Append one record (it must have `step`); None and non-finite values stay out of the trackers."""
         if not self.enabled:
             return
         self._append(self.metrics_path, record)
-        if self._tb is not None:
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
-                    self._tb.add_scalar(f"train/{key}" if key != "val_loss" else "val/loss", value, record["step"])
+        self._track({(f"train/{k}" if k != "val_loss" else "val/loss"): v for k, v in record.items() if k != "step"},
+                    record["step"])
 
     def log_health(self, step: int, stats: dict) -> str:
         line = health_summary(stats)
         if self.enabled:
             self._append(self.health_path, {"step": step, "layers": stats})
+            self._track(health_scalars(stats), step)
             self.write(f"step {step}: {line}")
         return line
 
@@ -181,9 +281,9 @@ class MetricsLogger:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+        for tracker in self._trackers:
+            tracker.close()
+        self._trackers = []
 
 
 class Throughput:

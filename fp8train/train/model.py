@@ -11,13 +11,14 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from ..fp8.convert import compile_options
+from .lora import LoraConfig, base_model
 
 __all__ = ["ModelConfig", "PRESETS", "build_model", "check_weights_match", "decoder_layers", "load_model_tokenizer",
            "parallelize_model", "weight_files"]
@@ -80,6 +81,8 @@ class ModelConfig:
     """Presets only: share the embedding and LM head weights; null = the preset's choice."""
     max_seq_len: int = 32768
     """Presets only: max_position_embeddings of the config."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapters with PEFT (section); `model.lora.rank` > 0 trains only them, on the frozen FP8 base."""
 
     def __post_init__(self):
         for key in ("num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "vocab_size",
@@ -286,8 +289,9 @@ def _load_hf_dir(path: Path, kwargs: dict) -> nn.Module:
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The decoder layer list of an HF causal LM (Qwen2 and Llama keep it at `model.model.layers`)."""
-    base = getattr(model, "model", None)
+    """The decoder layer list of an HF causal LM (Qwen2 and Llama keep it at `model.model.layers`), also
+    inside a PEFT wrapper."""
+    base = getattr(base_model(model), "model", None)
     layers = getattr(base, "layers", None)
     if not isinstance(layers, nn.ModuleList):
         raise TypeError(f"{type(model).__name__} has no `model.layers` decoder list")
@@ -307,14 +311,18 @@ def parallelize_model(model: nn.Module, *, activation_checkpointing: bool = Fals
     3. `shard(model)`: the seam for FSDP2 (`fully_shard` per decoder layer, then the root), run last
        so that it wraps the checkpointed, compiled layers. A single process passes None.
 
-    FP8 conversion happens before this, on the plain model.
+    Before this, on the plain model: FP8 conversion, then PEFT LoRA (`fp8train.train.lora.apply_lora`), so
+    that each adapter wraps an FP8Linear as its frozen base layer and the checkpointed, compiled layers
+    include the adapters. (LoRA under FSDP is refused for now: the sharded checkpoint paths do not yet map
+    PEFT's parameter names.)
     """
     if activation_checkpointing:
         kwargs = {"use_reentrant": False}
-        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x renamed it
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        hf = base_model(model)
+        if hasattr(hf, "activation_checkpointing_enable"):  # transformers >= 5.2x renamed it
+            hf.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
         else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+            hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     if compile:
         options = compile_options() | ({"triton.cudagraphs": True} if cuda_graphs else {})
         for layer in decoder_layers(model):

@@ -33,6 +33,7 @@ from .config import TrainConfig, config_to_dict
 from .distributed import World
 from .loss import use_loss
 from .metrics import MetricsLogger, Throughput, flops_per_token, peak_memory_gib, peak_tflops
+from .lora import apply_lora
 from .model import PRESETS, build_model, check_weights_match, load_model_tokenizer, parallelize_model
 from .optim import build_optimizer, build_scheduler, optimizer_step
 from .resume import plan_resume
@@ -137,6 +138,7 @@ class Trainer:
 
         self.model.to(self.device)
         self.fp8_report = convert_to_fp8(self.model, make_recipe(cfg.recipe, pow2_scale=cfg.pow2_scale))
+        self.model = apply_lora(self.model, cfg.model.lora, sharded=self.world.sharded)  # after FP8: base = FP8Linear
         parallelize_model(self.model, activation_checkpointing=cfg.train.activation_checkpointing,
                           compile=cfg.train.compile, cuda_graphs=cfg.train.cuda_graphs,
                           shard=self.world.shard if self.world.sharded else None)
@@ -156,7 +158,8 @@ class Trainer:
         self._resume()
 
         self.logger = MetricsLogger(self.run_dir, total_steps=self.total_steps, start_step=self.step,
-                                    progress=progress, enabled=self.world.is_main)
+                                    report_to=cfg.train.report_to, config=config_to_dict(cfg), progress=progress,
+                                    enabled=self.world.is_main)
         if self.world.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
@@ -202,6 +205,10 @@ class Trainer:
                  f"(micro-batch {t.micro_batch} x {accum} accumulation x {self.world.world_size} ranks); "
                  f"{len(self.train_data)} training sequences",
                  str(self.fp8_report)]
+        if self.cfg.model.lora.enabled:
+            trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+            lines.append(f"LoRA rank {self.cfg.model.lora.rank} on {', '.join(self.cfg.model.lora.target_modules)}: "
+                         f"{trainable / 1e6:.2f}M trainable parameters, the base frozen")
         if data_stats is not None:
             lines.append(f"data: {data_stats}")
         if self._resumed_from is not None:

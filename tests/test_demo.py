@@ -1,0 +1,59 @@
+"""`fp8train demo`: its configs, its generated SFT task, and the whole flow (CPT, SFT, evaluation, fp8-block
+export, table, plots) scaled down to seconds; the full-size run is `fp8train demo` (README: measured time)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from fp8train import demo
+from fp8train.data import load_tokenizer
+from fp8train.demo import DemoConfig, _demo_config, stdlib_sources
+from test_trainer import byte_tokenizer, one_thread  # noqa: F401
+
+
+def test_demo_config_is_valid_and_reads_capped_stdlib(tmp_path):
+    files = stdlib_sources(300_000)
+    assert files and sum(f.stat().st_size for f in files) <= 300_000
+    assert all(f.suffix == ".py" and "site-packages" not in f.parts for f in files)
+    for recipe in ("hybrid", "bf16"):
+        cfg = _demo_config(DemoConfig(out_dir=str(tmp_path)), "cpu", recipe, files, tmp_path)
+        cfg.validate()
+        assert cfg.model.source == "tiny-qwen2" and cfg.model.tokenizer is None  # the real Qwen2.5 tokenizer
+        assert cfg.recipe == recipe and cfg.run_dir == str(tmp_path / ("bf16" if recipe == "bf16" else "fp8_hybrid"))
+        assert yaml.safe_dump(cfg.train.__dict__)
+
+
+def test_sft_task_is_deterministic_and_holds_out_its_eval_problems():
+    train, held_out = demo.sft_task(500, seed=1)
+    assert (train, held_out) == demo.sft_task(500, seed=1)
+    assert len(train) == 500 and len(held_out) == 12 and len({p["answer"] for p in held_out}) == 12
+    for p in train + held_out:
+        assert set(p) == {"question", "answer", "response"} and p["answer"] in p["response"]
+    # the held-out questions are phrased in a way training never uses
+    assert not {p["question"] for p in held_out} & {p["question"] for p in train}
+
+
+def test_demo_flow_end_to_end_scaled_down(tmp_path, monkeypatch, byte_tokenizer, capsys):
+    """Every stage with the byte tokenizer and a few steps each."""
+    monkeypatch.setattr(demo, "load_tokenizer", lambda source: load_tokenizer(str(byte_tokenizer)))
+    small = dict(demo._SIZES["cpu"], steps=4, source_bytes=300_000, max_tokens=None)
+    small["sft"] = dict(small["sft"], steps=4, samples=200)
+    monkeypatch.setitem(demo._SIZES, "cpu", small)
+    results = demo.run_demo(DemoConfig(out_dir=str(tmp_path), device="cpu"))
+    out = capsys.readouterr().out
+    assert set(results) == {"hybrid", "bf16"} and "relative gap FP8 vs BF16" in out
+    for label in ("CPT train loss", "SFT val loss", "task accuracy (held out)", "fp8-block export"):
+        assert label in out
+    for r in results.values():
+        assert r["loss"] < r["first_loss"] and r["val_loss"] is not None
+        assert r["sft_loss"] > 0 and r["sft_val_loss"] is not None and 0.0 <= r["accuracy"] <= 1.0
+    for png in ("loss.png", "sft_loss.png"):
+        assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
+    export = results["hybrid"]["export"]
+    config = json.loads((export / "config.json").read_text())
+    assert config["quantization_config"]["weight_block_size"] == [128, 128]
+    assert (tmp_path / "sft_bf16" / "final" / "config.json").is_file()
+    assert json.loads((tmp_path / "eval_fp8_hybrid" / "metrics.json").read_text())["num_problems"] == 12

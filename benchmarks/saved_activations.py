@@ -29,7 +29,7 @@ def saved_bytes(preset: str, recipe: str, compiled: bool, tokens: int) -> dict:
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = build_model(ModelConfig(source=preset, vocab_size=1024, num_layers=1))
-    base, custom, _ = parse_variant(recipe)
+    base, custom = parse_variant(recipe)
     convert_to_fp8(model, custom or base)
     layer = decoder_layers(model)[0]
     fn = torch.compile(layer, backend="aot_eager_decomp_partition") if compiled else layer

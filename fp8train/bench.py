@@ -8,10 +8,8 @@ grad clipping) on the same random tokens from the same initial weights; only the
   hybrid, tensorwise   fp8train.convert_to_fp8 with that recipe
   torchao-tensorwise,  torchao.float8.convert_to_float8_training (LM head left in BF16), when torchao
   torchao-rowwise      is importable
-A variant may carry modifiers, for A/B runs in one process: `hybrid+wgrad_from_fp8` (the recipe's
-`wgrad_input_from_fp8`: one FP8 copy of each input, input.T re-quantized from it in the backward) and
-`hybrid@inductor` (under torch.compile, activations quantized by the traced reference ops, which inductor
-fuses into the kernel producing them, instead of fp8train's Triton kernel).
+A variant may carry a recipe modifier, for A/B runs in one process: `hybrid+wgrad_from_fp8` (the recipe's
+`wgrad_input_from_fp8`: one FP8 copy of each input, input.T re-quantized from it in the backward).
 `compiled` applies torch.compile to each decoder layer, for every variant alike (the trainer's
 `train.compile`); `cudagraphs` also replays each layer as CUDA graphs (`train.cuda_graphs`). Step time
 is the median of the timed steps after the warm-up; peak memory is torch.cuda.max_memory_allocated over
@@ -25,7 +23,6 @@ and what the step saves for backward by kind (FP8, BF16, FP32, the vocabulary-wi
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
 import re
@@ -41,7 +38,7 @@ __all__ = ["BenchCase", "run_case", "parse_variant", "categorize_profile", "top_
            "markdown_table", "main"]
 
 VARIANTS = ("bf16", "hybrid", "tensorwise", "torchao-tensorwise", "torchao-rowwise")
-_MODIFIERS = ("wgrad_from_fp8",)  # `name+modifier`; `name@inductor`: see the module docstring
+_MODIFIERS = ("wgrad_from_fp8",)  # `name+modifier`: see the module docstring
 MODES = ("eager", "compiled", "cudagraphs")
 
 _KERNEL_CATEGORIES = [  # (category, regex on the CUDA kernel name), first match wins
@@ -161,46 +158,21 @@ def memory_breakdown(trainer, batches: list[dict]) -> dict[str, float]:
 
 
 def parse_variant(name: str):
-    """(base variant, Fp8Recipe or None, inductor-quantized activations) of a variant name with modifiers."""
+    """(base variant, Fp8Recipe or None) of a variant name with modifiers (`hybrid+wgrad_from_fp8`)."""
     from dataclasses import replace
 
     from .fp8.recipe import make_recipe
 
-    base, _, impl = name.partition("@")
-    base, *mods = base.split("+")
-    if base not in VARIANTS or impl not in ("", "inductor") or any(m not in _MODIFIERS for m in mods):
+    base, *mods = name.split("+")
+    if base not in VARIANTS or any(m not in _MODIFIERS for m in mods):
         raise ValueError(f"unknown variant {name!r}: one of {list(VARIANTS)}, optionally with "
-                         f"{['+' + m for m in _MODIFIERS]} and/or '@inductor'")
-    recipe = None
-    if mods:
-        recipe = replace(make_recipe(base), wgrad_input_from_fp8="wgrad_from_fp8" in mods)
-    return base, recipe, impl == "inductor"
-
-
-@contextlib.contextmanager
-def _activation_quantization(inductor: bool):
-    """The `@inductor` experiment: ops' switch set while a case traces, then restored."""
-    from .fp8 import ops
-
-    previous = ops._INDUCTOR_QUANTIZES_ACTIVATIONS
-    ops._INDUCTOR_QUANTIZES_ACTIVATIONS = inductor
-    try:
-        yield
-    finally:
-        ops._INDUCTOR_QUANTIZES_ACTIVATIONS = previous
+                         f"{['+' + m for m in _MODIFIERS]}")
+    return base, replace(make_recipe(base), wgrad_input_from_fp8=True) if mods else None
 
 
 def run_case(case: BenchCase, *, steps: int = 5, warmup: int = 2, device: str = "cuda", profile: bool = False,
              activation_checkpointing: bool = False, memory: bool = False, top_kernels: int = 0) -> dict:
     """Build the model, run `warmup + steps` training steps of one sequence, return the measurements."""
-    base, custom, inductor_quant = parse_variant(case.variant)
-    with _activation_quantization(inductor_quant):
-        return _run_case(case, base, custom, steps, warmup, device, profile, activation_checkpointing, memory,
-                         top_kernels)
-
-
-def _run_case(case: BenchCase, base: str, custom, steps: int, warmup: int, device: str, profile: bool,
-              activation_checkpointing: bool, memory: bool, top_kernels: int) -> dict:
     from .data import CptDataConfig
     from .fp8.convert import convert_to_fp8
     from .train.config import LoopConfig, TrainConfig
@@ -211,6 +183,7 @@ def _run_case(case: BenchCase, base: str, custom, steps: int, warmup: int, devic
 
     import torch._dynamo
 
+    base, custom = parse_variant(case.variant)
     torch._dynamo.reset()  # every case compiles afresh: no recompile limit, no shapes made dynamic by earlier cases
     vocab = case.vocab or (None if PRESETS[case.model]["vocab_size"] else 151936)
     mcfg = ModelConfig(source=case.model, num_layers=case.layers, vocab_size=vocab)
@@ -331,7 +304,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--seq", type=int, nargs="+", default=[8192])
     p.add_argument("--vocab", type=int, default=None, help="embedding rows (default: the preset's)")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), metavar="VARIANT",
-                   help=f"{', '.join(VARIANTS)}; modifiers: +wgrad_from_fp8, @inductor (see above)")
+                   help=f"{', '.join(VARIANTS)}; modifier: +wgrad_from_fp8 (see above)")
     p.add_argument("--modes", nargs="+", default=["compiled"], choices=MODES,
                    help="compiled: torch.compile per layer; cudagraphs: also CUDA graphs (no per-kernel launch cost)")
     p.add_argument("--steps", type=int, default=5, help="timed steps (median)")

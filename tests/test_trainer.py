@@ -341,3 +341,18 @@ if __name__ == "__main__":
     if "--regen" not in sys.argv:
         sys.exit("usage: python tests/test_trainer.py --regen   (rewrites tests/golden/tiny_*.json)")
     _regenerate()
+
+
+def test_bf16_layers_config_key(tmp_path, byte_tokenizer, corpus):
+    """`bf16_layers` keeps the listed decoder layers in BF16 (the conversion summary says which); an index
+    the model does not have is one clear error naming the key."""
+    from fp8train import FP8Linear
+
+    trainer = Trainer(tiny_config(tmp_path, byte_tokenizer, corpus, bf16_layers="[-1]"),
+                      progress=False)
+    layers = trainer.model.model.layers
+    assert not any(isinstance(m, FP8Linear) for m in layers[-1].modules())
+    assert sum(isinstance(m, FP8Linear) for m in layers[0].modules()) == 7
+    assert "bf16_layers: decoder layers [1]" in str(trainer.fp8_report)
+    with pytest.raises(ValueError, match="bf16_layers: 2 is not a decoder layer index of a 2-layer model"):
+        Trainer(tiny_config(tmp_path / "b", byte_tokenizer, corpus, bf16_layers="[2]"), progress=False)

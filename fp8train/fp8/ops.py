@@ -61,9 +61,6 @@ __all__ = ["OperandSpec", "LinearPlan", "Route", "gemm_route", "contraction_pad"
 # cuBLAS blockwise GEMMs need the number of 128-blocks along the contraction to be a multiple of 4
 # (K=8960 -> 70 blocks is refused or silently wrong): contractions are padded to 512 with zero data, scale 1.
 _BLOCKWISE_PAD = 512
-# Under torch.compile on CUDA, quantize activations with the traced reference ops (inductor fuses them into
-# the kernel that produces the activation) instead of the Triton kernel (one more pass over it).
-_INDUCTOR_QUANTIZES_ACTIVATIONS = False
 
 
 def reference_fp8_linear(x: Tensor, w: Tensor, dy: Tensor, recipe: Fp8Recipe) -> tuple[Tensor, Tensor, Tensor]:
@@ -234,11 +231,11 @@ def _empty(like: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _tile_kernel_applies(rows: OperandSpec, cols: OperandSpec, cublas: bool) -> bool:
-    if not (cublas and _kernels is not None and rows.is_tile and cols.is_tile):
-        return False
-    if torch.compiler.is_compiling() and _INDUCTOR_QUANTIZES_ACTIVATIONS:
-        return False
-    return rows.pad == cols.pad == _BLOCKWISE_PAD
+    # (Under torch.compile the Triton kernel beat inductor fusing the traced reference quantization into the
+    # producing norm / SwiGLU kernels by 5% or more at 7B, though the latter saves its FP8 copies' memory:
+    # docs/benchmarks.md section 0, item 1.)
+    return (cublas and _kernels is not None and rows.is_tile and cols.is_tile
+            and rows.pad == cols.pad == _BLOCKWISE_PAD)
 
 
 def _quantize_activation(x2d: Tensor, rows: OperandSpec, cols: OperandSpec, pow2: bool, make_cols: bool,

@@ -33,7 +33,7 @@ from .config import TrainConfig, config_to_dict
 from .distributed import World
 from .loss import use_loss
 from .metrics import MetricsLogger, Throughput, flops_per_token, peak_memory_gib, peak_tflops
-from .lora import apply_lora
+from .lora import apply_lora, is_lora
 from .model import PRESETS, build_model, check_weights_match, load_model_tokenizer, parallelize_model
 from .optim import build_optimizer, build_scheduler, optimizer_step
 from .resume import plan_resume
@@ -137,7 +137,8 @@ class Trainer:
         self.total_steps = self._total_steps()
 
         self.model.to(self.device)
-        self.fp8_report = convert_to_fp8(self.model, make_recipe(cfg.recipe, pow2_scale=cfg.pow2_scale))
+        self.fp8_report = convert_to_fp8(self.model, make_recipe(cfg.recipe, pow2_scale=cfg.pow2_scale),
+                                         bf16_layers=cfg.bf16_layers)
         self.model = apply_lora(self.model, cfg.model.lora, sharded=self.world.sharded)  # after FP8: base = FP8Linear
         parallelize_model(self.model, activation_checkpointing=cfg.train.activation_checkpointing,
                           compile=cfg.train.compile, cuda_graphs=cfg.train.cuda_graphs,
@@ -177,7 +178,7 @@ class Trainer:
         ckpt = self._resume_plan.checkpoint
         if ckpt is None:
             return
-        if ckpt.kind == "single":  # another model's checkpoint: one line with both shapes
+        if ckpt.kind == "single" and not is_lora(self.model):  # another model's: one line with both shapes
             check_weights_match(self.model, ckpt.path / "model", f"checkpoint {ckpt.path}")
         configured = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         state = load_checkpoint(ckpt, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler)

@@ -148,7 +148,7 @@ class _Trainer(Trainer):
 # ------------------------------------------------------------------------------------- base model
 
 
-def _load_gguf(path: Path, num_layers: int | None):
+def load_gguf(path: Path, num_layers: int | None):
     """SmolLM2 from its GGUF file (dequantized to FP32) with its own tokenizer; `num_layers` keeps only the
     first layers (the smoke run: the real weights, tokenizer and chat template at a CPU's size)."""
     tokenizer = load_tokenizer(str(path))
@@ -542,7 +542,7 @@ class _Bench:
         if args.base_gguf:
             t0 = time.perf_counter()
             try:
-                self.base, self.tokenizer = _load_gguf(Path(args.base_gguf), 2 if args.smoke else None)
+                self.base, self.tokenizer = load_gguf(Path(args.base_gguf), 2 if args.smoke else None)
                 res["base"] = {"kind": "gguf", "source": str(args.base_gguf),
                                "load_s": round(time.perf_counter() - t0, 1)}
             except Exception as e:  # recorded; a base is pretrained instead

@@ -41,7 +41,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     fid = _fidelity()
-    base, tokenizer = fid._load_gguf(Path(args.gguf), None)
+    base, tokenizer = fid.load_gguf(Path(args.gguf), None)
     hybrid = replace(make_recipe("hybrid"), emulate=True)
     recipes = {"hybrid (input.T from BF16)": hybrid,
                "hybrid, wgrad_input_from_fp8": replace(hybrid, wgrad_input_from_fp8=True)}

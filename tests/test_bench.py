@@ -19,13 +19,15 @@ def test_bench_runs_every_variant_in_one_harness(capsys):
 
 
 def test_variant_modifiers(capsys):
-    """`+wgrad_from_fp8` converts with that recipe knob (the trainer finds the layers converted)."""
+    """`+wgrad_from_fp8`, `+swiglu_fp8` convert with those recipe knobs (the trainer finds the layers converted)."""
     from fp8train.bench import BenchCase, run_case
 
+    variants = ("hybrid", "hybrid+wgrad_from_fp8", "hybrid+swiglu_fp8", "hybrid+wgrad_from_fp8+swiglu_fp8")
     res = {v: run_case(BenchCase("tiny-qwen2", None, 64, v, "eager", 512), steps=1, warmup=1, device="cpu")
-           for v in ("hybrid", "hybrid+wgrad_from_fp8")}
+           for v in variants}
     assert all(r["fp8_layers"] == 14 for r in res.values()), res
-    assert res["hybrid+wgrad_from_fp8"]["loss_first"] == res["hybrid"]["loss_first"]  # same forward
+    for v in variants[1:]:
+        assert res[v]["loss_first"] == res["hybrid"]["loss_first"], v  # the same forward
     with pytest.raises(ValueError, match="unknown variant 'hybrid\\+fast'"):
         run_case(BenchCase("tiny-qwen2", None, 64, "hybrid+fast", "eager", 512), device="cpu")
 

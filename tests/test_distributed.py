@@ -135,7 +135,7 @@ def _gathered_blocks_match(model, report, info) -> dict:
             ref = quantize(master, (128, 128), "e4m3", pow2_scale=True)
             plan = fp8_ops.LinearPlan.of(mod.recipe, cublas=False)
             w_op = w.fp8_operand(plan.w, plan.pow2)  # what FP8Linear's forward takes; its backward transposes it
-            ops = (*w_op, *fp8_ops.transpose_weight(*w_op, plan.w, plan.w_t, master.shape[1]))
+            ops = (*w_op, *fp8_ops.transpose_weight(*w_op, plan, master.shape[1]))
             ref_ops = (*fp8_ops.quantize_weight(master, plan.w, True, False, False),
                        *fp8_ops.quantize_weight(master, plan.w_t, True, True, False))
             result[fqn] = {
@@ -471,7 +471,7 @@ def test_gathered_weight_gives_fp8linear_its_operands(monkeypatch, cublas):
     gathered = _Fp8GatheredWeight(q.data, q.scale, torch.bfloat16, Fp8Format.E4M3, True)
     plan = fp8_ops.LinearPlan.of(make_recipe("hybrid"), cublas)
     w_op = gathered.fp8_operand(plan.w, plan.pow2)
-    got = (w_op, fp8_ops.transpose_weight(*w_op, plan.w, plan.w_t, 384))
+    got = (w_op, fp8_ops.transpose_weight(*w_op, plan, 384))
     ref = (fp8_ops.quantize_weight(w, plan.w, True, False, cublas), fp8_ops.quantize_weight(w, plan.w_t, True, True, cublas))
     for (a, a_s), (b, b_s) in zip(got, ref):
         assert a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8)) and torch.equal(a_s, b_s)

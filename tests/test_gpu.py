@@ -262,6 +262,100 @@ def test_inductor_compiled_fp8_layers_equal_eager_on_cuda(recipe):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("mode", ["eager", "default", "reduce-overhead"])
+def test_frozen_offloaded_weights_on_cuda(mode):
+    """LoRA's base (`freeze_fp8_weights(offload=True)`): the GPU holds 1 byte per weight instead of 4, the
+    weights wait on the CPU, and eager, inductor and CUDA graphs (no graph skipped for the CPU weights) give
+    the every-step quantization's y and dx bit for bit."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from fp8train import freeze_fp8_weights
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(1536, 8960, bias=False), torch.nn.Linear(8960, 1536, bias=False)).cuda()
+    convert_to_fp8(m, "hybrid", module_filter_fn=lambda mod, fqn: True)
+    m.requires_grad_(False)
+    x = torch.randn(2, 1000, 1536, device="cuda")
+    g = torch.randn(2, 1000, 1536, device="cuda").bfloat16()
+
+    def run(fn):
+        xr = x.clone().requires_grad_()
+        with torch.autocast("cuda", torch.bfloat16):
+            y = fn(xr)
+        y.backward(g)
+        return y.detach().clone(), xr.grad
+
+    ref = run(m)
+    before = torch.cuda.memory_allocated()
+    with freeze_fp8_weights(m, offload=True) as n:
+        assert n == 2 and all(p.device.type == "cpu" for p in m.parameters())
+        freed = before - torch.cuda.memory_allocated()
+        assert freed >= 3 * 2 * 1536 * 8960 - 2**20, freed  # 4 bytes per weight -> 1 (plus block scales)
+        fn = m if mode == "eager" else torch.compile(m, mode=None if mode == "default" else mode)
+        for _ in range(3):
+            got = run(fn)
+            assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+    assert all(p.device.type == "cuda" for p in m.parameters())
+    assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
+
+
+def test_swiglu_inputs_fp8_on_cuda():
+    """The recipe's `swiglu_inputs_fp8` on CUDA (the Triton kernel quantizes g and u, padded to 512): the same
+    saved values as the CPU's reference, so the gradients match the CPU path's; compiled by inductor, a
+    converted MLP gives eager's forward and close gradients."""
+    import torch._dynamo
+    import torch.nn.functional as F
+    from transformers import Qwen2Config
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2MLP
+
+    from fp8train.fp8.ops import LinearPlan
+    from fp8train.fp8.swiglu import _SwiGLUFn
+
+    torch.manual_seed(0)
+    g, u = torch.randn(1000, 8960), torch.randn(1000, 8960)
+    g[:2] *= 80
+    dh = torch.randn(1000, 8960)
+    hybrid = make_recipe("hybrid")
+
+    def grads(device, cublas):
+        a, b = g.bfloat16().to(device).requires_grad_(), u.bfloat16().to(device).requires_grad_()
+        h = _SwiGLUFn.apply(a, b, LinearPlan.of(hybrid, cublas))
+        h.backward(dh.bfloat16().to(device))
+        return [t.float().cpu() for t in (h.detach(), a.grad, b.grad)]
+
+    cuda, cpu = grads("cuda", True), grads("cpu", False)
+    assert torch.equal(cuda[0], cpu[0])
+    for a, b in zip(cuda[1:], cpu[1:]):
+        assert _sqnr(a, b) > 45
+    ref = [g.bfloat16().cuda().requires_grad_(), u.bfloat16().cuda().requires_grad_()]  # BF16 saved: close
+    (F.silu(ref[0]) * ref[1]).backward(dh.bfloat16().cuda())
+    assert _sqnr(cuda[1], ref[0].grad.float().cpu()) > 25 and _sqnr(cuda[2], ref[1].grad.float().cpu()) > 25
+
+    # compiled: inductor fuses silu(g) * u without BF16's intermediate rounding (in either MLP), so the knob's
+    # MLP is compared with the plain converted one, both compiled: the same forward, close gradients
+    x = torch.randn(2, 1000, 1536, device="cuda")
+
+    def run(swiglu_fp8):
+        torch._dynamo.reset()
+        torch.manual_seed(1)
+        wrapper = torch.nn.Module()
+        wrapper.mlp = Qwen2MLP(Qwen2Config(hidden_size=1536, intermediate_size=8960, hidden_act="silu")).cuda()
+        report = convert_to_fp8(wrapper, make_recipe("hybrid", swiglu_inputs_fp8=swiglu_fp8), lambda m, fqn: True)
+        assert report.swiglu_fp8 == (["mlp"] if swiglu_fp8 else [])
+        xr = x.clone().requires_grad_()
+        with torch.autocast("cuda", torch.bfloat16):
+            y = torch.compile(wrapper.mlp)(xr)
+        y.float().pow(2).mean().backward()
+        return y.detach().float(), xr.grad, wrapper.mlp.gate_proj.weight.grad
+
+    plain, knob = run(False), run(True)
+    assert _sqnr(knob[0], plain[0]) > 60, _sqnr(knob[0], plain[0])
+    assert _sqnr(knob[1], plain[1]) > 25 and _sqnr(knob[2], plain[2]) > 25, (_sqnr(knob[1], plain[1]), _sqnr(knob[2], plain[2]))
+
+
 def test_compiled_model_launches_the_fp8_kernels_from_inductor_code():
     """On CUDA the FP8 pieces are traced into the graph: inductor's generated code launches the Triton
     quantization kernels and the scaled_mm GEMMs itself (no fp8train custom op, so no Python per Linear at

@@ -207,6 +207,48 @@ def test_no_grad_and_frozen_weight_skip_the_transposed_copy(monkeypatch):
     assert made == [False, False]  # input and grad_output: rows only
 
 
+@pytest.mark.parametrize("recipe", ["hybrid", "tensorwise", "hybrid-exact-scales"])
+def test_frozen_weight_quantized_once_same_numbers(recipe, monkeypatch):
+    """A frozen weight kept in FP8 (`freeze_fp8_weights`: LoRA's base) gives the same y and dx bit for bit as
+    quantizing it every forward and backward, quantizes W once for any number of steps (W.T is the copy's
+    transpose), and comes back unchanged on exit. Compiled (the CPU's opaque ops) it computes the same."""
+    from dataclasses import replace
+
+    from fp8train import freeze_fp8_weights
+
+    r = make_recipe(recipe.split("-")[0])
+    r = replace(r, pow2_scale=False) if "exact" in recipe else r
+    _, m, x, g = _setup(r, outliers=True)
+    m.weight.requires_grad_(False)
+    ref = _run(m, x, g)
+    weight = m.weight.detach().clone()
+    calls = []
+    real = ops.quantize_weight
+    monkeypatch.setattr(ops, "quantize_weight", lambda *a: calls.append(a[3]) or real(*a))
+    with freeze_fp8_weights(m, offload=True) as n:
+        assert n == 1 and m.frozen and "frozen in FP8" in repr(m)
+        for _ in range(3):
+            got = _run(m, x, g)
+            assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]) and got[2] is None
+        compiled = _run(torch.compile(m, backend="aot_eager"), x, g)
+        assert torch.equal(compiled[0], ref[0]) and torch.equal(compiled[1], ref[1])
+        assert calls == [False], "W quantized once, W.T never"
+        m.weight.requires_grad_(True)  # unfrozen under the copy: refused, never trained on the stale copy
+        with pytest.raises(RuntimeError, match="freeze_weight"):
+            m(x)
+        m.weight.requires_grad_(False)
+    assert not m.frozen and m._frozen_w is None and torch.equal(m.weight, weight)
+    with pytest.raises(ValueError, match="requires grad"):
+        FP8Linear.from_linear(torch.nn.Linear(128, 128), "hybrid").freeze_weight(True)
+
+
+def test_frozen_weight_not_kept_where_w_t_is_no_transpose():
+    """Row-wise scales of W are not W.T's: such a layer keeps quantizing its weight (freeze_weight says False)."""
+    _, m, x, g = _setup("rowwise")
+    m.weight.requires_grad_(False)
+    assert m.freeze_weight(True) is False and not m.frozen
+
+
 def test_bad_inputs():
     _, m, x, _ = _setup("hybrid")
     with pytest.raises(ValueError, match="floating-point"):

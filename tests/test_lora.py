@@ -153,6 +153,30 @@ def test_activation_checkpointing_with_lora_changes_nothing(tmp_path, byte_token
     assert losses[0] == losses[1]  # the recompute is the same computation
 
 
+def test_trainer_quantizes_the_frozen_base_once(tmp_path, byte_tokenizer, corpus, monkeypatch):
+    """A LoRA run quantizes each frozen base projection once for the whole run (`freeze_fp8_weights`), not
+    twice a step, and trains exactly as quantizing every step does (the losses equal bit for bit)."""
+    import contextlib
+
+    from fp8train.fp8 import ops
+    from fp8train.train import trainer as trainer_mod
+
+    cfg = lambda name: _config(tmp_path / name, byte_tokenizer, corpus, **{"train.steps": 8,  # noqa: E731
+                                                                            "train.save_every": 0})
+    calls = []
+    real = ops.quantize_weight
+    monkeypatch.setattr(ops, "quantize_weight", lambda *a: calls.append(a[3]) or real(*a))
+    once = Trainer(cfg("once"), progress=False)
+    layers = sum(isinstance(m, FP8Linear) for m in once.model.modules())
+    once_losses = _losses(once.fit())
+    assert layers == 14 and calls == [False] * layers
+    calls.clear()
+    monkeypatch.setattr(trainer_mod, "freeze_fp8_weights", lambda *a, **k: contextlib.nullcontext())
+    every = _losses(Trainer(cfg("every"), progress=False).fit())
+    assert len(calls) > 8 * layers  # forward and backward of every step (and of the evaluation)
+    assert np.array_equal(once_losses, every)
+
+
 def test_lora_config_errors_name_the_key(tmp_path, byte_tokenizer, corpus):
     for key, value, match in (("model.lora.rank", -1, "model.lora.rank"), ("model.lora.dropout", 1.5, "model.lora.dropout"),
                               ("model.lora.alpha", 0, "model.lora.alpha"), ("model.lora.rnak", 4, "model.lora.rank")):

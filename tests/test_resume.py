@@ -158,6 +158,7 @@ def test_resume_refuses_a_changed_trajectory_and_writes_nothing(tmp_path, byte_t
     before = _snapshot(run_dir)
     for change, shown in (({"optim.lr": 1e-3}, "optim.lr 0.003 -> 0.001"), ({"recipe": "hybrid"}, "recipe 'bf16' -> 'hybrid'"),
                           ({"data.seq_len": 32}, "data.seq_len 64 -> 32"), ({"seed": 1}, "seed 0 -> 1"),
+                          ({"swiglu_inputs_fp8": "true"}, "swiglu_inputs_fp8 False -> True"),
                           # (a shorter run whose schedule still fits it: 1 + 1 warmup/decay steps would not)
                           ({"train.steps": 1, "optim.decay_steps": 0, "optim.warmup_steps": 0, "optim.decay_ratio": 0.0,
                             "optim.warmup_ratio": 0.0}, "train.steps 2 -> 1")):
@@ -172,8 +173,8 @@ def test_resume_refuses_a_changed_trajectory_and_writes_nothing(tmp_path, byte_t
     assert err.count("\n") == 1 and "optim.lr 0.003 -> 0.001; recipe 'bf16' -> 'hybrid'" in err, err
     assert _snapshot(run_dir) == before  # config.yaml, metrics.jsonl, checkpoints, final/: untouched
 
-    longer = Trainer(tiny_config(tmp_path, byte_tokenizer, corpus, **{**_SHORT, "train.steps": 3,
-                                                                       "train.log_every": 2}), progress=False)
+    longer = Trainer(tiny_config(tmp_path, byte_tokenizer, corpus, **{**_SHORT, "train.steps": 3, "train.log_every": 2,
+                                                                       "model.lora.offload_base": "false"}), progress=False)
     assert longer.step == 2
     assert "config changed since" in capsys.readouterr().out  # recorded in the log
     assert sorted(longer.fit().losses) == [3]

@@ -3,20 +3,22 @@
     recipe.py   which format and scale granularity every GEMM operand gets (`make_recipe`)
     quant.py    the reference block quantization (`quantize`, `dequantize`, `compute_scale`)
     kernels.py  the Triton quantization kernels of the CUDA path (bit-identical to quant.py)
-    ops.py      operand specs, the one GEMM route table, the custom ops torch.compile sees
-    linear.py   FP8Linear: the three GEMMs of one Linear, and `reference_linear`, what they compute
-    convert.py  convert_to_fp8, cache_fp8_weights
+    ops.py      the three GEMMs of one Linear (`reference_fp8_linear`: what they compute), operand specs,
+                the one GEMM route table, the custom ops torch.compile sees
+    linear.py   FP8Linear: a layer's state (plans, input and weight caches, frozen weight, health)
+    convert.py  convert_to_fp8, cache_fp8_weights, freeze_fp8_weights
     health.py   FP8 health statistics (underflow, saturation, scale range) observed during a step
     fsdp.py     FSDP2 all-gather of the FP8 weight blocks
     compile.py  compile_options: inductor's pass that shares one input quantization among siblings
 """
 
-from .convert import ConversionReport, cache_fp8_weights, compile_options, convert_to_fp8
+from .convert import ConversionReport, cache_fp8_weights, compile_options, convert_to_fp8, freeze_fp8_weights
 from .health import summarize_fp8_health, track_fp8_health
 from .linear import FP8Linear
 from .quant import Fp8Tensor, dequantize, quantize
 from .recipe import Fp8Format, Fp8Recipe, RecipeName, make_recipe
 
 __all__ = ["ConversionReport", "FP8Linear", "Fp8Format", "Fp8Recipe", "Fp8Tensor", "RecipeName",
-           "cache_fp8_weights", "compile_options", "convert_to_fp8", "dequantize", "make_recipe", "quantize",
+           "cache_fp8_weights", "compile_options", "convert_to_fp8", "dequantize", "freeze_fp8_weights", "make_recipe",
+           "quantize",
            "summarize_fp8_health", "track_fp8_health"]

@@ -2,7 +2,9 @@
 
 Converted (the recipe's list): q, k, v, o projections and the MLP's gate, up, down projections.
 Left in BF16: embeddings, the LM head, norms and everything that is not an nn.Linear. A Linear whose
-dimensions are not multiples of 16 (the FP8 tensor-core alignment) is skipped and reported.
+dimensions are not multiples of 16 (the FP8 tensor-core alignment) is skipped and reported. With the
+recipe's `swiglu_inputs_fp8`, each SwiGLU MLP of converted projections becomes an `FP8SwiGLUMLP`
+(swiglu.py: the same children and forward, its inputs saved for backward in FP8).
 """
 
 from __future__ import annotations
@@ -17,8 +19,10 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .linear import FP8Linear
 from .recipe import Fp8Recipe, make_recipe
+from .swiglu import FP8SwiGLUMLP, swiglu_mlp_applies
 
-__all__ = ["ConversionReport", "convert_to_fp8", "compile_options", "cache_fp8_weights", "DECODER_PROJECTIONS"]
+__all__ = ["ConversionReport", "convert_to_fp8", "compile_options", "cache_fp8_weights", "freeze_fp8_weights",
+           "DECODER_PROJECTIONS"]
 
 DECODER_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -28,9 +32,13 @@ class ConversionReport:
     recipe: str
     converted: list[str] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
+    swiglu_fp8: list[str] = field(default_factory=list)
+    """MLPs whose SwiGLU inputs are saved in FP8 (the recipe's `swiglu_inputs_fp8`)."""
 
     def __str__(self) -> str:
         lines = [f"fp8train: recipe {self.recipe}: {len(self.converted)} Linear layers in FP8, {len(self.skipped)} kept in BF16"]
+        if self.swiglu_fp8:
+            lines.append(f"  SwiGLU inputs saved in FP8 in {len(self.swiglu_fp8)} MLPs")
         reasons = defaultdict(list)
         for name, why in self.skipped.items():
             reasons[why].append(name)
@@ -98,6 +106,12 @@ def convert_to_fp8(
             parent = model.get_submodule(parent_name) if parent_name else model
             setattr(parent, child, FP8Linear.from_linear(module, recipe, input_cache))
             report.converted.append(fqn)
+    if recipe.swiglu_inputs_fp8:
+        for fqn, module in list(model.named_modules()):
+            if fqn and swiglu_mlp_applies(module):  # (a bare MLP passed as the model cannot replace itself)
+                parent_name, _, child = fqn.rpartition(".")
+                setattr(model.get_submodule(parent_name) if parent_name else model, child, FP8SwiGLUMLP(module))
+                report.swiglu_fp8.append(fqn)
     return report
 
 
@@ -127,3 +141,20 @@ def cache_fp8_weights(model: nn.Module) -> Iterator[None]:
     finally:
         for m in layers:
             m.cache_weight(False)
+
+
+@contextlib.contextmanager
+def freeze_fp8_weights(model: nn.Module, *, offload: bool = False) -> Iterator[int]:
+    """Keep each frozen FP8Linear weight (requires_grad False: LoRA's base) in FP8 for everything inside the
+    context: quantized once, not in every forward and backward; with `offload`, the high-precision weights
+    wait in host memory meanwhile (the GPU holds 1 byte per parameter instead of 2 for BF16, 4 for FP32).
+    On exit the copies go and the weights come back. Yields how many layers were frozen.
+
+    The frozen weights must not change inside it (a PEFT merge, a load): exit first."""
+    layers = [m for m in model.modules() if isinstance(m, FP8Linear) and not m.weight.requires_grad]
+    frozen = [m for m in layers if m.freeze_weight(True, offload=offload)]
+    try:
+        yield len(frozen)
+    finally:
+        for m in frozen:
+            m.freeze_weight(False)

@@ -6,6 +6,8 @@ compute). This module owns a layer's state, changed only through its methods:
     plans           the recipe's `LinearPlan` for the cuBLAS and the emulated path
     input cache     shared with its siblings (q/k/v, gate/up read one tensor: one quantization, eagerly)
     weight cache    `cache_weight(True)`: W quantized once for the micro-batches of one optimizer step
+    frozen weight   `freeze_weight(True)`: a frozen W (LoRA's base) quantized once for good, W itself
+                    optionally moved to host memory
     health          `track_health(True)`: underflow / saturation / scale range of its operands
     FSDP            `prepare_fsdp(...)`: FSDP2 refills the weight every step; optionally gathers it in FP8
 
@@ -26,7 +28,7 @@ from .health import health_dict, operand_health_stats
 from .ops import LinearPlan
 from .recipe import Fp8Recipe, make_recipe
 
-__all__ = ["FP8Linear"]
+__all__ = ["FP8Linear", "runs_on_cublas"]
 
 
 @torch.compiler.assume_constant_result  # a constant of the device: torch.compile does not trace it
@@ -36,6 +38,11 @@ def _has_fp8_gemm(device_index: int) -> bool:
 
 def _use_cublas(t: Tensor) -> bool:
     return t.is_cuda and _has_fp8_gemm(t.device.index)
+
+
+def runs_on_cublas(x: Tensor, recipe: Fp8Recipe) -> bool:
+    """Whether `recipe`'s GEMMs on tensors like `x` run on cuBLAS (SM90, not `emulate`); else emulated."""
+    return _use_cublas(x) and not recipe.emulate
 
 
 class _Fp8LinearFn(torch.autograd.Function):
@@ -98,6 +105,10 @@ class FP8Linear(nn.Linear):
         self._weight_refilled = False  # FSDP2 refills the gathered weight in place: never cache it
         self._fp8_all_gather = False   # FSDP2 all-gathers the weight in FP8 blocks (fsdp.py)
         self._health_sink: Tensor | None = None
+        # freeze_weight(True): W's FP8 operand for good (buffers: `.to()` moves them) and the plan it is for
+        self.register_buffer("_frozen_w", None, persistent=False)
+        self.register_buffer("_frozen_w_scale", None, persistent=False)
+        self._frozen_plan: str | None = None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, recipe: str | Fp8Recipe = "hybrid",
@@ -115,6 +126,34 @@ class FP8Linear(nn.Linear):
         self._cache_weight = enabled and not self._weight_refilled
         if not enabled:
             self._weight_cache = None
+
+    def freeze_weight(self, enabled: bool, *, offload: bool = False) -> bool:
+        """Quantize a frozen weight once and keep its FP8 operand for good (True): LoRA's base. Every forward
+        uses it and grad_input's W.T is its exact transpose, so nothing reads the weight itself again; with
+        `offload` the weight moves to host memory (it stays the exact weight that checkpoints save). False
+        drops the copy and brings the weight back. Returns whether the layer is frozen: not where the
+        recipe's W.T is no transpose of W (row-wise scales), nor under FSDP (it refills the weight)."""
+        if not enabled:
+            if self._frozen_w is not None and self.weight.device != self._frozen_w.device:
+                self.weight = nn.Parameter(self.weight.detach().to(self._frozen_w.device), requires_grad=False)
+            self._frozen_w = self._frozen_w_scale = self._frozen_plan = None
+            return False
+        if self.weight.requires_grad:
+            raise ValueError("FP8Linear.freeze_weight: the weight requires grad; only a frozen weight can be kept in "
+                             "FP8 (weight.requires_grad_(False) first)")
+        plan = self.plan(self.weight) if self.recipe.enabled else None
+        if plan is None or self._weight_refilled or not ops.weight_transposes(plan):
+            return False
+        self._frozen_w, self._frozen_w_scale = ops.quantize_weight(self.weight.detach(), plan.w, plan.pow2, False,
+                                                                   plan.cublas)
+        self._frozen_plan = plan.key
+        if offload and self.weight.device.type != "cpu":
+            self.weight = nn.Parameter(self.weight.detach().cpu(), requires_grad=False)
+        return True
+
+    @property
+    def frozen(self) -> bool:
+        return self._frozen_plan is not None
 
     def track_health(self, enabled: bool) -> None:
         """Record operand health in the next forward + backward (read it with `health()`)."""
@@ -150,6 +189,11 @@ class FP8Linear(nn.Linear):
     def _weight_operand(self, plan: LinearPlan) -> tuple[Tensor | None, Tensor | None]:
         """W's operand from FSDP's FP8 all-gather or the step's cache; (None, None): the forward quantizes
         the weight in one op with its GEMM."""
+        if self._frozen_plan is not None:
+            if self._frozen_plan != plan.key:
+                raise RuntimeError(f"FP8Linear: the weight was frozen to FP8 for plan {self._frozen_plan}, this forward "
+                                   f"runs {plan.key} (moved to another device?): freeze_weight(False), then again")
+            return self._frozen_w, self._frozen_w_scale
         weight = self.weight
         gathered = getattr(weight, "fp8_operand", None)
         if gathered is not None:  # FSDP all-gathered it already in FP8 blocks (fsdp.py): use those
@@ -187,9 +231,13 @@ class FP8Linear(nn.Linear):
             return _forward_outside_graph(self, x)  # FSDP's FP8-gathered weight is a tensor subclass
         return self._forward(x)
 
+    def plan(self, x: Tensor) -> LinearPlan:
+        """The plan this layer's GEMMs follow for input `x` (cuBLAS where it runs, else emulated)."""
+        return self._plans[runs_on_cublas(x, self.recipe)]
+
     def _forward(self, x: Tensor) -> Tensor:
         x2d = x.reshape(-1, x.shape[-1])
-        plan = self._plans[_use_cublas(x2d) and not self.recipe.emulate]
+        plan = self.plan(x2d)
         dev = x.device.type
         out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
         # a backward that computes dW needs input.T: made now from x, or later from the saved FP8 rows
@@ -197,15 +245,24 @@ class FP8Linear(nn.Linear):
         x_rows, x_rows_scale, x_t, x_t_scale = self._quantize_input(x, x2d, plan, grad_weight and not plan.x_t_from_fp8)
         x_saved = ((x_rows, x_rows_scale) if plan.x_t_from_fp8 else (x_t, x_t_scale)) if grad_weight else (None, None)
         w, w_scale = self._weight_operand(plan)
+        weight = self.weight
+        if self._frozen_plan is not None:
+            if weight.requires_grad:
+                raise RuntimeError("FP8Linear: the weight was frozen to FP8 (freeze_weight) and now requires grad: "
+                                   "freeze_weight(False) before training it")
+            # nothing reads W again (W.T is the copy's transpose): a stand-in with its shape keeps an offloaded
+            # weight out of the graph
+            weight = torch.empty((), device=x.device, dtype=weight.dtype).expand(self.out_features, self.in_features)
         stats = None
         if self._health_sink is not None:
             stats = torch.stack([operand_health_stats(x2d.detach(), plan.x, plan.pow2),
-                                 operand_health_stats(self.weight.detach(), plan.w, plan.pow2)])
-        return _Fp8LinearFn.apply(x, self.weight, self.bias, x_rows, x_rows_scale, *x_saved, w, w_scale,
+                                 operand_health_stats(self.weight.detach().to(x.device), plan.w, plan.pow2)])
+        return _Fp8LinearFn.apply(x, weight, self.bias, x_rows, x_rows_scale, *x_saved, w, w_scale,
                                   self._health_sink, stats, plan, out_dtype)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, recipe={self.recipe.name.value}, pow2_scale={self.recipe.pow2_scale}"
+        frozen = ", frozen in FP8" if self.frozen else ""
+        return f"{super().extra_repr()}, recipe={self.recipe.name.value}, pow2_scale={self.recipe.pow2_scale}{frozen}"
 
 
 @torch.compiler.disable  # eager inside a compiled model: FSDP's FP8-gathered weights

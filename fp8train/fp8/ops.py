@@ -55,7 +55,7 @@ except ImportError:  # no triton (CPU-only installs): the reference path is used
     _kernels = None
 
 __all__ = ["OperandSpec", "LinearPlan", "Route", "gemm_route", "contraction_pad", "gemm", "quantize_operand",
-           "dequantize_operand", "pad_operand", "quantize_input", "quantize_weight", "transpose_weight",
+           "dequantize_operand", "pad_operand", "quantize_input", "quantize_weight", "weight_transposes", "transpose_weight",
            "linear_forward", "linear_backward", "reference_fp8_linear"]
 
 # cuBLAS blockwise GEMMs need the number of 128-blocks along the contraction to be a multiple of 4
@@ -269,12 +269,19 @@ def quantize_weight(w: Tensor, spec: OperandSpec, pow2: bool, transpose: bool, c
     return quantize_operand(w.t() if transpose else w, spec, pow2)
 
 
-def transpose_weight(data: Tensor, scale: Tensor, spec: OperandSpec, spec_t: OperandSpec,
-                     k: int) -> tuple[Tensor, Tensor] | None:
-    """W.T's operand from W's (data [N, Kp], K = k real columns) where that is exact: 128x128 blocks and one
-    scale per tensor read the same both ways. None otherwise (W.T must be quantized from the weight)."""
-    if spec.fmt is None or (spec.fmt, spec.block) != (spec_t.fmt, spec_t.block) or spec.block not in (BLOCK, None):
+def weight_transposes(plan: LinearPlan) -> bool:
+    """Whether W.T's operand is W's transposed exactly: 128x128 blocks and one scale per tensor read the same
+    both ways (row-wise scales and mixed formats do not)."""
+    w, w_t = plan.w, plan.w_t
+    return w.fmt is not None and (w.fmt, w.block) == (w_t.fmt, w_t.block) and w.block in (BLOCK, None)
+
+
+def transpose_weight(data: Tensor, scale: Tensor, plan: LinearPlan, k: int) -> tuple[Tensor, Tensor] | None:
+    """W.T's operand from W's (data [N, Kp], K = k real columns) where that is exact (`weight_transposes`);
+    None otherwise (W.T must be quantized from the weight)."""
+    if not weight_transposes(plan):
         return None
+    spec, spec_t = plan.w, plan.w_t
     data_t = data.view(torch.uint8)[:, :k].t().contiguous().view(data.dtype)
     if spec.block is None:
         return _pad_last(data_t, spec_t.pad), scale.clone()
@@ -386,7 +393,7 @@ def _backward_impl(dy: Tensor, weight: Tensor, w: Tensor | None, w_scale: Tensor
     g, g_scale, g_t, g_t_scale = _quantize_activation(dy, p.g, p.g_t, p.pow2, want_dw, p.cublas)
     dx = dw = dy.new_empty(0, dtype=torch.float32)
     if want_dx:
-        w_t = transpose_weight(w, w_scale, p.w, p.w_t, weight.shape[1]) if w is not None else None
+        w_t = transpose_weight(w, w_scale, p, weight.shape[1]) if w is not None else None
         w_t = w_t or quantize_weight(weight, p.w_t, p.pow2, True, p.cublas)
         # grad_input: dx [M, K] = dy [M, Np] @ W.T [K, Np].T
         dx = gemm(g, g_scale, p.g, *w_t, p.w_t, dx_dtype, p.cublas)

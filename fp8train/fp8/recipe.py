@@ -97,13 +97,15 @@ class Fp8Recipe:
     """grad_weight's input operand (input.T, token-tiled) is quantized from the FP8 row copy of the input that
     the forward made (dequantize, transpose, re-quantize, as DeepSeek-V3 does), so one FP8 copy is made in the
     forward and saved for backward; False (the paper's recipe) quantizes it from the high-precision input."""
+    swiglu_inputs_fp8: bool = False
+    """The SwiGLU's inputs (the gate and up projections' outputs, the largest activations a decoder layer
+    saves) are saved for backward as E4M3 1x128 tiles instead of BF16 (COAT's trick), halving their memory;
+    the backward's SiLU and product derivatives then read their dequantized values. The forward is unchanged.
+    Off in the paper's recipe (docs/fidelity.md has its gradient error)."""
 
     @property
     def enabled(self) -> bool:
         return self.name is not RecipeName.BF16
-
-    def with_pow2_scale(self, pow2_scale: bool) -> "Fp8Recipe":
-        return replace(self, pow2_scale=pow2_scale)
 
 
 def _gemm(fa: Fp8Format, ba: Block, fb: Fp8Format, bb: Block) -> GemmConfig:
@@ -135,14 +137,19 @@ _RECIPES = {
 }
 
 
-def make_recipe(name: "str | RecipeName | Fp8Recipe" = "hybrid", *, pow2_scale: bool | None = None) -> Fp8Recipe:
-    """The frozen recipe for `name` ('hybrid', 'tensorwise', 'rowwise' or 'bf16')."""
+def make_recipe(name: "str | RecipeName | Fp8Recipe" = "hybrid", *, pow2_scale: bool | None = None,
+                swiglu_inputs_fp8: bool | None = None) -> Fp8Recipe:
+    """The frozen recipe for `name` ('hybrid', 'tensorwise', 'rowwise' or 'bf16'); a knob given (not None)
+    replaces the named recipe's value."""
     if isinstance(name, Fp8Recipe):
-        return name if pow2_scale is None else name.with_pow2_scale(pow2_scale)
+        knobs = {k: v for k, v in (("pow2_scale", pow2_scale), ("swiglu_inputs_fp8", swiglu_inputs_fp8))
+                 if v is not None}
+        return replace(name, **knobs) if knobs else name
     try:
         rname = name if isinstance(name, RecipeName) else RecipeName(str(name).lower())
     except ValueError:
         raise ValueError(
             f"unknown FP8 recipe {name!r}; expected one of {[r.value for r in RecipeName]}"
         ) from None
-    return Fp8Recipe(name=rname, pow2_scale=True if pow2_scale is None else bool(pow2_scale), **_RECIPES[rname])
+    return Fp8Recipe(name=rname, pow2_scale=True if pow2_scale is None else bool(pow2_scale),
+                     swiglu_inputs_fp8=bool(swiglu_inputs_fp8), **_RECIPES[rname])

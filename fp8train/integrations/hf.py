@@ -19,7 +19,10 @@ What the Trainer's options need with converted layers (each tested on a CPU in t
   `fp8train.compile_options()` to it (on CUDA, one quantization of the input q/k/v or gate/up share).
   Health steps run the FP8 Linears eagerly (the statistics are Python-side), so they compile a second graph.
 - PEFT LoRA: convert first, then wrap (`get_peft_model`, or `SFTTrainer(peft_config=...)`): LoRA wraps
-  each FP8Linear as its frozen base layer. A model already wrapped by PEFT is refused.
+  each FP8Linear as its frozen base layer. A model already wrapped by PEFT is refused. While it trains, the
+  callback keeps the frozen base's FP8 weights (`freeze_fp8_weights`: made once, not every step; with
+  `offload_frozen=True` the base's own weights wait in host memory) and gives them back at the end, before
+  anything can merge adapters into them.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import torch
 from torch import nn
 from transformers import Trainer, TrainerCallback
 
-from ..fp8.convert import ConversionReport, cache_fp8_weights, compile_options, convert_to_fp8
+from ..fp8.convert import ConversionReport, cache_fp8_weights, compile_options, convert_to_fp8, freeze_fp8_weights
 from ..fp8.health import track_fp8_health
 from ..fp8.linear import FP8Linear
 from ..fp8.recipe import make_recipe
@@ -66,10 +69,12 @@ class FP8TrainerCallback(TrainerCallback):
       drops the cache before the optimizer updates the weights;
     - every `health_every` steps (0 = never) records the FP8 health of the step's first micro-batch and
       logs it through `Trainer.log`, so the console, TensorBoard, W&B, MLflow... get it (`health_scalars`);
-    - with `torch_compile=True`, adds `fp8train.compile_options()` to the Trainer's compile.
+    - with `torch_compile=True`, adds `fp8train.compile_options()` to the Trainer's compile;
+    - while training, keeps frozen weights (a LoRA base) in FP8, made once (`freeze_fp8_weights`), with
+      `offload_frozen` their high-precision values in host memory.
     """
 
-    def __init__(self, trainer: Trainer, *, health_every: int = 0):
+    def __init__(self, trainer: Trainer, *, health_every: int = 0, offload_frozen: bool = False):
         if isinstance(health_every, bool) or not isinstance(health_every, int) or health_every < 0:
             raise ValueError(f"FP8TrainerCallback: health_every must be an integer >= 0, got {health_every!r}")
         if not any(isinstance(m, FP8Linear) for m in trainer.model.modules()):
@@ -77,10 +82,15 @@ class FP8TrainerCallback(TrainerCallback):
                              "fp8train.integrations.hf.convert_for_training(model) before building the trainer")
         self._trainer = trainer
         self.health_every = health_every
+        self.offload_frozen = offload_frozen
+        self._frozen = contextlib.ExitStack()
         self._cache = contextlib.ExitStack()
         self._health = contextlib.ExitStack()
         self._stats: dict | None = None
         _add_compile_options(trainer)
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._frozen.enter_context(freeze_fp8_weights(self._trainer.model, offload=self.offload_frozen))
 
     def on_step_begin(self, args, state, control, model=None, **kwargs):
         if args.gradient_accumulation_steps > 1:
@@ -107,6 +117,7 @@ class FP8TrainerCallback(TrainerCallback):
     def on_train_end(self, args, state, control, **kwargs):
         self._health.close()
         self._cache.close()
+        self._frozen.close()
 
 
 def _add_compile_options(trainer) -> None:

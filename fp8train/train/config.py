@@ -118,6 +118,9 @@ class TrainConfig:
     """FP8 recipe of the decoder Linears: `hybrid` (InfiR2: 1x128 activations, 128x128 weights), or `bf16`."""
     pow2_scale: bool = True
     """Round FP8 scales to powers of two (exact in binary; the paper's default)."""
+    swiglu_inputs_fp8: bool = False
+    """Save the MLP's SwiGLU inputs (gate and up outputs) for backward as FP8 1x128 tiles instead of BF16:
+    less activation memory, the backward's SwiGLU derivative from FP8-rounded values (docs/fidelity.md)."""
     bf16_layers: list[int] = field(default_factory=list)
     """Decoder layers kept entirely in BF16 (indices; -1 is the last), e.g. [0, 1, -2, -1]: the first and last
     two, where the FP8 forward error concentrates on small models (docs/fidelity.md)."""

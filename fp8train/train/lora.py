@@ -2,7 +2,8 @@
 
 Order: `convert_to_fp8` first, then PEFT's LoRA wraps each target projection, whose frozen base layer is
 then the FP8Linear (a frozen FP8Linear skips its grad_weight GEMM and the quantization only that needs);
-the adapters stay BF16 (FP32 masters) and train. Activation checkpointing, compile and sharding follow
+the adapters stay BF16 (FP32 masters) and train. While the trainer trains, the base's FP8 weights are made
+once (`freeze_fp8_weights`), and on a GPU the base's own weights wait in host memory (`offload_base`). Activation checkpointing, compile and sharding follow
 (`parallelize_model`). Only the adapters are trainable, so the optimizer sees only them.
 
 A LoRA checkpoint's `model/` directory holds the frozen base as a plain Hugging Face model (the weights
@@ -42,6 +43,9 @@ class LoraConfig:
     """Dropout on the adapters' input (0 = none)."""
     target_modules: list[str] = field(default_factory=lambda: list(DECODER_PROJECTIONS))
     """Module names (last dotted part) that get adapters; the default is the seven decoder projections."""
+    offload_base: bool = True
+    """While training on a GPU, keep the frozen base projections' weights in host memory: the GPU holds only
+    their FP8 copies, made once (`fp8train.freeze_fp8_weights`). false keeps both on the GPU."""
 
     def __post_init__(self):
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:

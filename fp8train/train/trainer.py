@@ -23,7 +23,7 @@ import yaml
 from torch import nn
 
 from ..data import GlobalBatchSampler, build_cpt_datasets, build_sft_datasets, collate, rank_slice
-from ..fp8.convert import cache_fp8_weights, convert_to_fp8
+from ..fp8.convert import cache_fp8_weights, convert_to_fp8, freeze_fp8_weights
 from ..fp8.health import track_fp8_health
 from ..fp8.recipe import make_recipe
 from ..export import export_hf
@@ -137,8 +137,8 @@ class Trainer:
         self.total_steps = self._total_steps()
 
         self.model.to(self.device)
-        self.fp8_report = convert_to_fp8(self.model, make_recipe(cfg.recipe, pow2_scale=cfg.pow2_scale),
-                                         bf16_layers=cfg.bf16_layers)
+        recipe = make_recipe(cfg.recipe, pow2_scale=cfg.pow2_scale, swiglu_inputs_fp8=cfg.swiglu_inputs_fp8)
+        self.fp8_report = convert_to_fp8(self.model, recipe, bf16_layers=cfg.bf16_layers)
         self.model = apply_lora(self.model, cfg.model.lora, sharded=self.world.sharded)  # after FP8: base = FP8Linear
         parallelize_model(self.model, activation_checkpointing=cfg.train.activation_checkpointing,
                           compile=cfg.train.compile, cuda_graphs=cfg.train.cuda_graphs,
@@ -318,28 +318,16 @@ class Trainer:
 
     def fit(self) -> TrainResult:
         """Train to `total_steps`, evaluating, logging and checkpointing on the way; export final/."""
-        t = self.cfg.train
         result = TrainResult(self.run_dir, self.step)
         fp8 = make_recipe(self.cfg.recipe).enabled
         throughput = Throughput(self.device, peak_tflops(self.device, fp8), self.world.world_size)
+        lora = self.cfg.model.lora
         try:
-            while self.step < self.total_steps:
-                batches = self.next_micro_batches()
-                step = self.step + 1
-                track = fp8 and t.health_every > 0 and step % t.health_every == 0
-                loss, grad_norm, health = self.train_step(batches, track_health=track)
-                self.step = step
-                result.losses[step] = loss
-                tokens = sum(b["input_ids"].numel() for b in batches) * self.world.world_size
-                self.tokens_seen += tokens
-                throughput.add(tokens)
-                if throughput.flops_per_token is None:
-                    throughput.flops_per_token = flops_per_token(self.model.config, batches[0]["input_ids"].shape[1])
-                if health:
-                    self.logger.log_health(step, health)
-                if self._nonfinite_in_a_row:
-                    self._report_nonfinite(step, loss, grad_norm)
-                self._after_step(step, loss, grad_norm, throughput, result)
+            # LoRA: the frozen base's FP8 weights are made once for the run, not every step
+            frozen = (freeze_fp8_weights(self.model, offload=lora.offload_base and self.device.type == "cuda")
+                      if lora.enabled else contextlib.nullcontext())
+            with frozen:
+                self._train_loop(result, throughput)
             if not result.losses:  # resumed a finished run: nothing to train, still report and export
                 result.val_loss = self.evaluate()
             result.step, result.skipped_steps = self.step, self.skipped_steps
@@ -349,6 +337,27 @@ class Trainer:
         finally:
             self.logger.close()
         return result
+
+    def _train_loop(self, result: TrainResult, throughput: Throughput) -> None:
+        t = self.cfg.train
+        fp8 = make_recipe(self.cfg.recipe).enabled
+        while self.step < self.total_steps:
+            batches = self.next_micro_batches()
+            step = self.step + 1
+            track = fp8 and t.health_every > 0 and step % t.health_every == 0
+            loss, grad_norm, health = self.train_step(batches, track_health=track)
+            self.step = step
+            result.losses[step] = loss
+            tokens = sum(b["input_ids"].numel() for b in batches) * self.world.world_size
+            self.tokens_seen += tokens
+            throughput.add(tokens)
+            if throughput.flops_per_token is None:
+                throughput.flops_per_token = flops_per_token(self.model.config, batches[0]["input_ids"].shape[1])
+            if health:
+                self.logger.log_health(step, health)
+            if self._nonfinite_in_a_row:
+                self._report_nonfinite(step, loss, grad_norm)
+            self._after_step(step, loss, grad_norm, throughput, result)
 
     def _export_final(self) -> Path | None:
         """The Hugging Face export of the final model (rank 0 gathers a sharded model first)."""

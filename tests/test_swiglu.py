@@ -1,0 +1,140 @@
+"""The recipe's `swiglu_inputs_fp8`: the MLP's SwiGLU inputs saved for backward as FP8 tiles (fp8/swiglu.py).
+
+The forward is the Hugging Face module's bit for bit; the backward equals autograd's exactly where the
+inputs are FP8-representable, and otherwise carries E4M3's rounding of g and u: measured against FP64 here,
+between the BF16 path's accuracy and the FP8 GEMMs' own.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fp8train import convert_to_fp8, make_recipe
+from fp8train.fp8.ops import LinearPlan
+from fp8train.fp8.swiglu import FP8SwiGLUMLP, _SwiGLUFn
+from test_convert import tiny
+from test_trainer import byte_tokenizer, corpus, one_thread  # noqa: F401 (fixtures)
+
+SWIGLU = make_recipe("hybrid", swiglu_inputs_fp8=True)
+
+
+def _sqnr(x, ref):
+    x, ref = x.double(), ref.double()
+    return float(10 * torch.log10(ref.pow(2).sum() / (x - ref).pow(2).sum()))
+
+
+def _grads(fn, g, u, dh):
+    g, u = g.clone().requires_grad_(), u.clone().requires_grad_()
+    h = fn(g, u)
+    h.backward(dh)
+    return h.detach(), g.grad, u.grad
+
+
+def test_exact_where_the_inputs_are_fp8_values():
+    """g and u made of E4M3 values with 448 in every 1x128 tile (scale 1): the saved copies are exact, so
+    h, grad_g and grad_u equal autograd's on silu(g) * u bit for bit."""
+    torch.manual_seed(0)
+    plan = LinearPlan.of(make_recipe("hybrid"), False)
+
+    def fp8_values(rows, cols):
+        bits = torch.randint(0, 256, (rows, cols), dtype=torch.uint8)
+        bits[(bits & 0x7F) == 0x7F] = 0x38  # no NaN (E4M3 has no inf)
+        t = bits.view(torch.float8_e4m3fn).to(torch.bfloat16)
+        t[:, ::128] = 448.0
+        return t
+
+    g, u = fp8_values(64, 384) / 64, fp8_values(64, 384)  # /64: a power of two, scale 2^-6 stays exact
+    dh = torch.randn(64, 384).bfloat16()
+    ref = _grads(lambda a, b: F.silu(a) * b, g, u, dh)
+    got = _grads(lambda a, b: _SwiGLUFn.apply(a, b, plan), g, u, dh)
+    for a, b in zip(got, ref):
+        assert torch.equal(a, b)
+
+
+def test_gradients_against_fp64():
+    """Random inputs with outlier tokens: the forward is exact; the gradients lose to the BF16 path by E4M3's
+    rounding of g and u, and stay far above what an unrelated tensor scores (0 dB)."""
+    torch.manual_seed(1)
+    g, u = torch.randn(256, 512), torch.randn(256, 512)
+    g[:3] *= 50
+    dh = torch.randn(256, 512)
+    plan = LinearPlan.of(make_recipe("hybrid"), False)
+    g16, u16, dh16 = g.bfloat16(), u.bfloat16(), dh.bfloat16()
+    ref = _grads(lambda a, b: F.silu(a) * b, g.double(), u.double(), dh.double())
+    bf16 = _grads(lambda a, b: F.silu(a) * b, g16, u16, dh16)
+    fp8 = _grads(lambda a, b: _SwiGLUFn.apply(a, b, plan), g16, u16, dh16)
+    assert torch.equal(fp8[0], bf16[0])
+    for i in (1, 2):
+        s_bf16, s_fp8 = _sqnr(bf16[i], ref[i]), _sqnr(fp8[i], ref[i])
+        assert s_bf16 > 40 and 24 < s_fp8 < s_bf16 - 10, (i, s_bf16, s_fp8)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_converted_model_same_forward_smaller_saved_tensors(arch):
+    """convert_to_fp8 with the knob: every MLP becomes an FP8SwiGLUMLP under the same parameter names; the
+    logits equal the plain conversion's bit for bit; the step saves 2 x tokens x intermediate bytes less per
+    layer (g and u in FP8 instead of BF16); the gradients stay close to the plain conversion's."""
+    plain, knob = tiny(arch), tiny(arch)
+    convert_to_fp8(plain, "hybrid")
+    report = convert_to_fp8(knob, SWIGLU)
+    assert report.swiglu_fp8 == ["model.layers.0.mlp", "model.layers.1.mlp"] and "SwiGLU" in str(report)
+    assert isinstance(knob.model.layers[0].mlp, FP8SwiGLUMLP) and "SwiGLU inputs saved in FP8" in repr(knob)
+    assert plain.state_dict().keys() == knob.state_dict().keys()
+    assert convert_to_fp8(knob, SWIGLU).swiglu_fp8 == []  # converting again wraps nothing twice
+    ids = torch.randint(0, 512, (2, 64))
+
+    def step(model):
+        saved = []
+
+        def pack(t):
+            saved.append(t.numel() * t.element_size())
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", torch.bfloat16):
+            out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        return out.logits.detach(), sum(saved), {n: p.grad for n, p in model.named_parameters()}
+
+    lp, bytes_plain, gp = step(plain)
+    lk, bytes_knob, gk = step(knob)
+    assert torch.equal(lp, lk)
+    tokens, inter, layers = ids.numel(), 256, 2
+    saved_less = bytes_plain - bytes_knob
+    # BF16 g and u (2 bytes each) -> FP8 (1 byte) + a scale per 128; the SiLU output autograd kept goes too
+    assert saved_less >= layers * 2 * tokens * inter, (bytes_plain, bytes_knob)
+    for name in ("model.layers.0.mlp.gate_proj.weight", "model.layers.1.self_attn.q_proj.weight"):
+        assert _sqnr(gk[name], gp[name]) > 20, name
+
+
+def test_compiled_matches_eager_and_trainer_key(tmp_path):
+    """Compiled (the CPU's opaque quantization op), the layer computes eager's numbers."""
+    model = tiny()
+    convert_to_fp8(model, SWIGLU)
+    mlp = model.model.layers[0].mlp
+    x = torch.randn(2, 32, 128)
+
+    def run(fn):
+        mlp.zero_grad(set_to_none=True)
+        xr = x.clone().requires_grad_()
+        with torch.autocast("cpu", torch.bfloat16):
+            y = fn(xr)
+        y.float().pow(2).sum().backward()
+        return [y.detach(), xr.grad, mlp.gate_proj.weight.grad]
+
+    ref = run(mlp)
+    got = run(torch.compile(mlp, backend="aot_eager"))
+    for a, b in zip(got, ref):
+        assert torch.equal(a, b)
+
+
+def test_trainer_config_key(tmp_path, byte_tokenizer, corpus, capsys):
+    """`swiglu_inputs_fp8: true` converts the MLPs, says so in the run's summary, and trains."""
+    from fp8train.train.trainer import Trainer
+    from test_trainer import tiny_config
+
+    cfg = tiny_config(tmp_path, byte_tokenizer, corpus, swiglu_inputs_fp8="true",
+                      **{"train.steps": 10, "train.save_every": 0, "train.eval_every": 0})
+    trainer = Trainer(cfg, progress=False)
+    assert all(isinstance(layer.mlp, FP8SwiGLUMLP) for layer in trainer.model.model.layers)
+    losses = trainer.fit().losses
+    assert losses[10] < losses[1] - 0.5, losses
+    assert "SwiGLU inputs saved in FP8 in 2 MLPs" in capsys.readouterr().out

@@ -153,6 +153,7 @@ class FP8Linear(nn.Linear):
 
     @property
     def frozen(self) -> bool:
+        """Whether the weight is kept in FP8 (`freeze_weight`)."""
         return self._frozen_plan is not None
 
     def track_health(self, enabled: bool) -> None:
@@ -236,6 +237,9 @@ class FP8Linear(nn.Linear):
         return self._plans[runs_on_cublas(x, self.recipe)]
 
     def _forward(self, x: Tensor) -> Tensor:
+        if self._frozen_plan is not None and self.weight.requires_grad:
+            raise RuntimeError("FP8Linear: the weight was frozen to FP8 (freeze_weight) and now requires grad: "
+                               "freeze_weight(False) before training it")
         x2d = x.reshape(-1, x.shape[-1])
         plan = self.plan(x2d)
         dev = x.device.type
@@ -247,9 +251,6 @@ class FP8Linear(nn.Linear):
         w, w_scale = self._weight_operand(plan)
         weight = self.weight
         if self._frozen_plan is not None:
-            if weight.requires_grad:
-                raise RuntimeError("FP8Linear: the weight was frozen to FP8 (freeze_weight) and now requires grad: "
-                                   "freeze_weight(False) before training it")
             # nothing reads W again (W.T is the copy's transpose): a stand-in with its shape keeps an offloaded
             # weight out of the graph
             weight = torch.empty((), device=x.device, dtype=weight.dtype).expand(self.out_features, self.in_features)

@@ -227,6 +227,7 @@ def test_frozen_weight_quantized_once_same_numbers(recipe, monkeypatch):
     monkeypatch.setattr(ops, "quantize_weight", lambda *a: calls.append(a[3]) or real(*a))
     with freeze_fp8_weights(m, offload=True) as n:
         assert n == 1 and m.frozen and "frozen in FP8" in repr(m)
+        assert m.freeze_weight(True) and calls == [False]  # freezing again keeps the copy
         for _ in range(3):
             got = _run(m, x, g)
             assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]) and got[2] is None

@@ -141,6 +141,8 @@ class FP8Linear(nn.Linear):
         if self.weight.requires_grad:
             raise ValueError("FP8Linear.freeze_weight: the weight requires grad; only a frozen weight can be kept in "
                              "FP8 (weight.requires_grad_(False) first)")
+        if self.frozen:  # already (its weight may be offloaded: keep the copy made where it lived)
+            return True
         plan = self.plan(self.weight) if self.recipe.enabled else None
         if plan is None or self._weight_refilled or not ops.weight_transposes(plan):
             return False

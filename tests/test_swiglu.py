@@ -138,3 +138,22 @@ def test_trainer_config_key(tmp_path, byte_tokenizer, corpus, capsys):
     losses = trainer.fit().losses
     assert losses[10] < losses[1] - 0.5, losses
     assert "SwiGLU inputs saved in FP8 in 2 MLPs" in capsys.readouterr().out
+
+
+def test_with_lora_adapters(tmp_path, byte_tokenizer, corpus):
+    """PEFT LoRA wraps the projections inside an FP8SwiGLUMLP (conversion first, then adapters): the adapters
+    train and the frozen FP8 base stays unchanged."""
+    pytest.importorskip("peft")
+    from fp8train.train.trainer import Trainer
+    from test_trainer import tiny_config
+
+    cfg = tiny_config(tmp_path, byte_tokenizer, corpus, swiglu_inputs_fp8="true",
+                      **{"model.lora.rank": 8, "optim.lr": 3e-3, "train.steps": 10, "train.save_every": 0,
+                         "train.eval_every": 0})
+    trainer = Trainer(cfg, progress=False)
+    base = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if not p.requires_grad}
+    mlp = trainer.model.get_base_model().model.layers[0].mlp
+    assert isinstance(mlp, FP8SwiGLUMLP) and hasattr(mlp.gate_proj, "lora_A")
+    losses = trainer.fit().losses
+    assert losses[10] < losses[1], losses
+    assert all(torch.equal(p, base[n]) for n, p in trainer.model.named_parameters() if n in base)

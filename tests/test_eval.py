@@ -2,7 +2,6 @@
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -230,17 +229,12 @@ def test_eval_runs_with_the_requested_cpu_threads(tmp_path, monkeypatch):
     assert parser.parse_args(["eval", "M", "--data", "d", "--threads", "0"]).cpu_threads == 0
 
 
-def test_the_fidelity_benchmark_generates_through_the_package(tiny_model, monkeypatch):
+def test_the_fidelity_benchmark_generates_through_the_package(tiny_model):
     """benchmarks/fidelity.py has no generation of its own: its greedy answers are fp8train.eval's."""
-    import importlib.util
-
+    from _benchmarks import load_benchmark
     from fp8train.eval import SamplingConfig, generate, load_tokenizer_for
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "fidelity.py"
-    spec = importlib.util.spec_from_file_location("fidelity_generation", path)
-    fidelity = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, fidelity)  # its dataclasses look their module up
-    spec.loader.exec_module(fidelity)
+    fidelity = load_benchmark("fidelity")
     tok = load_tokenizer_for(tiny_model)
     prompts = ["What is 2 + 2?", "Name a prime number."]
     outs = fidelity.generate_greedy(tiny_model, tok, prompts, max_new_tokens=5, batch_size=2, device="cpu")

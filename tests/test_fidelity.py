@@ -27,8 +27,6 @@ Both runs take about 35 s on 2 idle cores (the FP8 emulation is most of it); the
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -51,18 +49,9 @@ FIRST_STEP_RTOL = 2e-3
 TRAIN_GAP, VAL_GAP = 0.01, 0.015
 WINDOW = STEPS // 5
 
-_BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "fidelity.py"
+from _benchmarks import load_benchmark  # noqa: E402
 
-
-def _load_benchmark():
-    spec = importlib.util.spec_from_file_location("fidelity_benchmark", _BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
-
-
-fidelity = _load_benchmark()
+fidelity = load_benchmark("fidelity")
 
 
 def _byte_rows(tokens: np.ndarray, first: int, last: int) -> PackedDataset:

@@ -4,9 +4,6 @@ tensors whose answers are worked out by hand. A few seconds on a CPU."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,18 +11,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from fp8train import FP8Linear
 
-_BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "fidelity_layers.py"
+from _benchmarks import load_benchmark  # noqa: E402
 
-
-def _load_benchmark():
-    spec = importlib.util.spec_from_file_location("fidelity_layers_benchmark", _BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-fl = _load_benchmark()
+fl = load_benchmark("fidelity_layers")
 
 
 @pytest.fixture(scope="module")

@@ -16,11 +16,9 @@ catches is shown too: an FP8 weight cache left open across optimizer steps falls
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import random
 import shutil
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -258,19 +256,13 @@ def test_convert_for_training_refuses_a_peft_model_and_warns_on_bf16_weights(set
     assert "torch.bfloat16, not float32" in caplog.text
 
 
-def _benchmark(name: str):
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"benchmark_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_gpu_benchmark_script_runs_on_cpu(tmp_path):
     """benchmarks/hf_trainer_gpu.py (the lead's H200 run) in its CPU mode, SFTTrainer only (a Trainer subclass):
     both recipes train and write their JSON lines."""
     out = tmp_path / "runs.jsonl"
-    results = _benchmark("hf_trainer_gpu").main(["--device", "cpu", "--tiny", "--trainers", "sft", "--steps", "2",
+    from _benchmarks import load_benchmark
+
+    results = load_benchmark("hf_trainer_gpu").main(["--device", "cpu", "--tiny", "--trainers", "sft", "--steps", "2",
                                                  "--out", str(out)])
     assert [(r["trainer"], r["recipe"]) for r in results] == [("sft", "bf16"), ("sft", "hybrid")]
     assert [json.loads(line)["recipe"] for line in out.read_text().splitlines()] == ["bf16", "hybrid"]

@@ -193,12 +193,9 @@ def test_lora_config_errors_name_the_key(tmp_path, byte_tokenizer, corpus):
 
 def test_lora_gpu_benchmark_script_runs_on_cpu(tmp_path):
     """benchmarks/lora_gpu.py (the lead's H200 run) in its CPU mode, eager (compiling on a CPU takes minutes)."""
-    import importlib.util
+    from _benchmarks import load_benchmark
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "lora_gpu.py"
-    spec = importlib.util.spec_from_file_location("benchmark_lora_gpu", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_benchmark("lora_gpu")
     results = bench.main(["--device", "cpu", "--tiny", "--no-compile", "--warmup", "1", "--out",
                           str(tmp_path / "lora.jsonl")])
     assert [r["recipe"] for r in results] == ["bf16", "hybrid"]

@@ -12,9 +12,6 @@ exp/log and sums), check that the plain HF path meets the same bound, and that t
 from __future__ import annotations
 
 import copy
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,18 +21,9 @@ from fp8train.train.loss import linear_cross_entropy, use_loss
 from fp8train.train.model import ModelConfig, build_model
 
 VOCAB = 320
-_BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "lm_head_loss.py"
+from _benchmarks import load_benchmark  # noqa: E402
 
-
-def _load_benchmark():
-    spec = importlib.util.spec_from_file_location("lm_head_loss_benchmark", _BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load_benchmark()
+bench = load_benchmark("lm_head_loss")
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -319,15 +319,13 @@ class Trainer:
     def fit(self) -> TrainResult:
         """Train to `total_steps`, evaluating, logging and checkpointing on the way; export final/."""
         result = TrainResult(self.run_dir, self.step)
-        fp8 = make_recipe(self.cfg.recipe).enabled
-        throughput = Throughput(self.device, peak_tflops(self.device, fp8), self.world.world_size)
         lora = self.cfg.model.lora
         try:
             # LoRA: the frozen base's FP8 weights are made once for the run, not every step
             frozen = (freeze_fp8_weights(self.model, offload=lora.offload_base and self.device.type == "cuda")
                       if lora.enabled else contextlib.nullcontext())
             with frozen:
-                self._train_loop(result, throughput)
+                self._train_loop(result)
             if not result.losses:  # resumed a finished run: nothing to train, still report and export
                 result.val_loss = self.evaluate()
             result.step, result.skipped_steps = self.step, self.skipped_steps
@@ -338,9 +336,10 @@ class Trainer:
             self.logger.close()
         return result
 
-    def _train_loop(self, result: TrainResult, throughput: Throughput) -> None:
+    def _train_loop(self, result: TrainResult) -> None:
         t = self.cfg.train
         fp8 = make_recipe(self.cfg.recipe).enabled
+        throughput = Throughput(self.device, peak_tflops(self.device, fp8), self.world.world_size)
         while self.step < self.total_steps:
             batches = self.next_micro_batches()
             step = self.step + 1

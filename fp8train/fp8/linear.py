@@ -108,6 +108,7 @@ class FP8Linear(nn.Linear):
         # freeze_weight(True): W's FP8 operand for good (buffers: `.to()` moves them) and the plan it is for
         self.register_buffer("_frozen_w", None, persistent=False)
         self.register_buffer("_frozen_w_scale", None, persistent=False)
+        self.register_buffer("_frozen_w_health", None, persistent=False)  # its health statistics, made once
         self._frozen_plan: str | None = None
 
     @classmethod
@@ -136,7 +137,7 @@ class FP8Linear(nn.Linear):
         if not enabled:
             if self._frozen_w is not None and self.weight.device != self._frozen_w.device:
                 self.weight = nn.Parameter(self.weight.detach().to(self._frozen_w.device), requires_grad=False)
-            self._frozen_w = self._frozen_w_scale = self._frozen_plan = None
+            self._frozen_w = self._frozen_w_scale = self._frozen_w_health = self._frozen_plan = None
             return False
         if self.weight.requires_grad:
             raise ValueError("FP8Linear.freeze_weight: the weight requires grad; only a frozen weight can be kept in "
@@ -148,6 +149,7 @@ class FP8Linear(nn.Linear):
             return False
         self._frozen_w, self._frozen_w_scale = ops.quantize_weight(self.weight.detach(), plan.w, plan.pow2, False,
                                                                    plan.cublas)
+        self._frozen_w_health = operand_health_stats(self.weight.detach(), plan.w, plan.pow2)
         self._frozen_plan = plan.key
         if offload and self.weight.device.type != "cpu":
             self.weight = nn.Parameter(self.weight.detach().cpu(), requires_grad=False)
@@ -258,8 +260,9 @@ class FP8Linear(nn.Linear):
             weight = torch.empty((), device=x.device, dtype=weight.dtype).expand(self.out_features, self.in_features)
         stats = None
         if self._health_sink is not None:
-            stats = torch.stack([operand_health_stats(x2d.detach(), plan.x, plan.pow2),
-                                 operand_health_stats(self.weight.detach().to(x.device), plan.w, plan.pow2)])
+            w_stats = (self._frozen_w_health if self._frozen_plan is not None
+                       else operand_health_stats(self.weight.detach(), plan.w, plan.pow2))
+            stats = torch.stack([operand_health_stats(x2d.detach(), plan.x, plan.pow2), w_stats])
         return _Fp8LinearFn.apply(x, weight, self.bias, x_rows, x_rows_scale, *x_saved, w, w_scale,
                                   self._health_sink, stats, plan, out_dtype)
 

@@ -27,10 +27,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
 import json
 import statistics
-import sys
 import sysconfig
 import time
 from collections.abc import Callable
@@ -41,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+import fidelity as fid  # benchmarks/ is on sys.path: the folder of the script, or tests/_benchmarks.py
 from fp8train import FP8Linear, Fp8Recipe, dequantize, make_recipe, quantize
 from fp8train.fp8.convert import DECODER_PROJECTIONS
 from fp8train.fp8.recipe import GemmConfig, OperandConfig
@@ -325,9 +324,6 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     t0 = time.monotonic()
-    spec = importlib.util.spec_from_file_location("fidelity", Path(__file__).with_name("fidelity.py"))
-    fid = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(fid)
     model, tokenizer = fid.load_gguf(Path(args.gguf), None)
     model.eval()
     chars = int(args.batches * args.rows * args.seq * 6)  # generous: code and prose run 2.5-4.5 chars a token

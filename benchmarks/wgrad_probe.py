@@ -15,23 +15,14 @@ worth. Prints a markdown table (with the BF16 autocast run's own error as the fl
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import statistics
-import sys
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 
+import fidelity as fid  # benchmarks/ is on sys.path: the folder of the script, or tests/_benchmarks.py
 from fp8train.fp8.recipe import make_recipe
-
-
-def _fidelity():
-    spec = importlib.util.spec_from_file_location("fidelity", Path(__file__).with_name("fidelity.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def main() -> None:
@@ -42,7 +33,6 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=512)
     args = p.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    fid = _fidelity()
     base, tokenizer = fid.load_gguf(Path(args.gguf), None)
     hybrid = replace(make_recipe("hybrid"), emulate=True)
     recipes = {"hybrid (input.T from BF16)": hybrid,

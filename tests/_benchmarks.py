@@ -5,6 +5,8 @@ import sys
 from pathlib import Path
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+if str(BENCHMARKS) not in sys.path:  # as when a script runs: its folder first, so that it imports its siblings
+    sys.path.insert(0, str(BENCHMARKS))
 
 
 def load_benchmark(name: str):

@@ -1,0 +1,328 @@
+"""FP8 fidelity knobs and the noise floor: full CPT -> SFT -> accuracy runs of several arms from one base.
+
+Issue 19 items 2, 3 and 5. Every arm starts from the same SmolLM2-135M base, reads the same CPT and SFT
+batches (the data split is fixed by --seed) and differs only in what its spec names:
+
+    bf16                          BF16 (the reference of every gap)
+    bf16@1                        BF16 with training seed 1 (data order): the noise floor
+    hybrid                        the paper's recipe: 1x128 activations, 128x128 weights, power-of-two scales
+    hybrid+exact                  ... with exact FP32 scales (amax / 448) instead of powers of two
+    hybrid+keep=0,1,-2,-1         ... with those decoder layers left in BF16 (the `bf16_layers` key)
+    hybrid+exact+keep=0,-1@1      combinations, and any arm with another training seed
+
+Per arm: CPT (`--cpt-steps` of 32 x 2,048 tokens, warmup-stable-decay), SFT of that result on GSM8K
+(`--sft-steps` of 16 x 2,048), greedy exact-match accuracy on the `--holdout` problems, and the FP8 health
+of every check (underflow / saturation per layer type and operand over time). The step counts are fixed, not
+sized from the clock, so that arms run in different invocations (or device calls) are comparable; an arm
+that would not fit the `--budget-s` left is skipped and recorded. `--merge` joins the results of several
+invocations into one table: each arm's gaps to the `bf16` arm, BF16's own seed-to-seed spread beside them,
+and the paired accuracy test against BF16.
+
+    python benchmarks/fidelity_knobs.py --base-gguf SmolLM2-135M-Instruct.Q4_1.gguf --gsm8k train.jsonl \
+        --arms bf16 hybrid bf16@1 hybrid+exact --out OUT/a.json
+    python benchmarks/fidelity_knobs.py --merge OUT/a.json OUT/b.json --out docs/fidelity_knobs.json
+    python benchmarks/fidelity_knobs.py --smoke --gsm8k ../shared/data/gsm8k/train.jsonl --out /tmp/k.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+import fidelity as fid  # benchmarks/ is on sys.path: the folder of the script, or tests/_benchmarks.py
+from fp8train.cli import keep_freed_memory
+from fp8train.data import SftDataConfig, build_sft_datasets, load_tokenizer, read_sft_holdout
+from fp8train.eval import extract_gold, render_prompts
+from fp8train.fp8.health import summarize_fp8_health
+from fp8train.train.config import LoopConfig, TrainConfig
+from fp8train.train.metrics import read_jsonl
+from fp8train.train.model import ModelConfig, build_model
+from fp8train.train.optim import OptimConfig
+
+REFERENCE = "bf16"
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One training arm: the spec's parts (see the module docstring)."""
+
+    spec: str
+    recipe: str
+    pow2_scale: bool
+    bf16_layers: tuple[int, ...]
+    seed: int
+
+    @property
+    def slug(self) -> str:
+        return self.spec.replace("+", "_").replace("=", "").replace(",", "_").replace("@", "_s")
+
+
+def parse_arm(spec: str, seed: int) -> Arm:
+    """`recipe[+exact][+keep=i,j,..][@seed]` -> Arm; ValueError naming the spec and the part it cannot read."""
+    body, _, seed_s = spec.partition("@")
+    recipe, *mods = body.split("+")
+    if recipe not in ("bf16", "hybrid", "tensorwise", "rowwise"):
+        raise ValueError(f"arm {spec!r}: unknown recipe {recipe!r} (bf16, hybrid, tensorwise, rowwise)")
+    pow2, keep = True, ()
+    for mod in mods:
+        if mod == "exact" and recipe != "bf16":
+            pow2 = False
+        elif mod.startswith("keep=") and recipe != "bf16":
+            try:
+                keep = tuple(int(i) for i in mod[5:].split(","))
+            except ValueError:
+                raise ValueError(f"arm {spec!r}: {mod!r} is not keep=<layer indices, comma-separated>") from None
+        else:
+            raise ValueError(f"arm {spec!r}: unknown modifier {mod!r} (exact, keep=i,j,..; none for bf16)")
+    if seed_s and not seed_s.isdigit():
+        raise ValueError(f"arm {spec!r}: the seed after '@' must be a non-negative integer")
+    return Arm(spec, recipe, pow2, keep, int(seed_s) if seed_s else seed)
+
+
+# ------------------------------------------------------------------------------------------- runs
+
+
+class _Runner:
+    """The shared base and data of one invocation, and the pipeline every arm goes through."""
+
+    def __init__(self, args: argparse.Namespace):
+        self.args, self.clock = args, fid._Clock(args.budget_s)
+        self.scale = fid.SMOKE if args.smoke else fid.GPU
+        self.device = torch.device(args.device if args.device != "auto"
+                                   else ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.work = Path(args.work)
+        if args.base_gguf:
+            self.base, self.tokenizer = fid.load_gguf(Path(args.base_gguf), 2 if args.smoke else None)
+        else:  # the smoke run without the GGUF: the tiny fallback base, untrained
+            self.tokenizer = load_tokenizer(None)
+            torch.manual_seed(args.seed)
+            self.base = build_model(ModelConfig(source="tiny-qwen2"), self.tokenizer)
+        self.base_dir = fid._save_base(self.base, self.tokenizer, self.work)
+        s, tps = self.scale, self.scale.cpt_batch * self.scale.seq_len
+        need = max(s.min_corpus_tokens, int(args.cpt_steps * tps * 1.02 / (1 - s.val_fraction)))
+        files, _ = fid._take(fid.corpus_files(args.seed), 0, need)
+        self.cpt_data, self.cpt_train, self.cpt_val = fid._cpt_data(files, need, self.tokenizer, s, self.work,
+                                                                    args.seed, "CPT")
+        self.sft_data = SftDataConfig(paths=[str(args.gsm8k)], prompt_field="question", response_field="answer",
+                                      seq_len=s.seq_len, val_fraction=0.03, holdout_last=args.holdout,
+                                      max_samples=300 if args.smoke else None)
+        self.sft_train, self.sft_val, _ = build_sft_datasets(self.sft_data, self.tokenizer, args.seed)
+        holdout = read_sft_holdout(self.sft_data)[:s.eval_limit]
+        self.prompts = render_prompts(self.tokenizer, [[c[0]] for c in holdout], chat_template=True,
+                                      force_think=False)
+        self.golds = [extract_gold(c[-1]["content"]) for c in holdout]
+        self.data = {"cpt_train_rows": len(self.cpt_train), "cpt_val_rows": len(self.cpt_val),
+                     "sft_train_rows": len(self.sft_train), "holdout": len(self.golds),
+                     "cpt_tokens_per_step": tps, "sft_tokens_per_step": s.sft_batch * s.seq_len}
+
+    def config(self, arm: Arm, stage: str, data, optim: OptimConfig, steps: int, batch: int, source: Path):
+        s = self.scale
+        steps = min(steps, s.max_steps) if s.max_steps else steps  # the smoke run's clamp
+        return TrainConfig(
+            stage=stage, run_dir=str(self.work / "runs" / f"{stage}_{arm.slug}"), resume="none", seed=arm.seed,
+            device=self.device.type, recipe=arm.recipe, pow2_scale=arm.pow2_scale, bf16_layers=list(arm.bf16_layers),
+            model=ModelConfig(source=str(source)), data=data, optim=optim,
+            train=LoopConfig(steps=steps, global_batch=batch, micro_batch=s.micro_batch, eval_every=max(1, steps // 6),
+                             eval_batches=s.eval_batches, keep_last=1, log_every=1,
+                             health_every=max(1, steps // 8) if arm.recipe != "bf16" else 0))
+
+    def run(self, arm: Arm) -> dict:
+        """CPT -> SFT -> greedy accuracy of one arm; the summaries without the curves (the plots have them)."""
+        s, a, runs = self.scale, self.args, self.work / "runs"
+        wsd = OptimConfig(lr=s.cpt_lr, min_lr=s.cpt_lr / 10, weight_decay=0.1, schedule="wsd", warmup_ratio=0.1,
+                          decay_ratio=0.15)
+        cos = OptimConfig(lr=s.sft_lr, min_lr=s.sft_lr / 10, weight_decay=0.0, schedule="cosine", warmup_ratio=0.05)
+        out: dict = {"arm": {"recipe": arm.recipe, "pow2_scale": arm.pow2_scale,
+                             "bf16_layers": list(arm.bf16_layers), "seed": arm.seed}}
+        cfg = self.config(arm, "cpt", self.cpt_data, wsd, a.cpt_steps, s.cpt_batch, self.base_dir)
+        out["cpt"], model = fid._train(cfg, copy.deepcopy(self.base), self.tokenizer, self.cpt_train, self.cpt_val)
+        out["cpt"]["fp8_health_trend"] = health_trend(Path(cfg.run_dir))
+        # the config names the CPT run's BF16 export: the FP32 model handed over in memory is not on disk
+        cfg = self.config(arm, "sft", self.sft_data, cos, a.sft_steps, s.sft_batch, runs / f"cpt_{arm.slug}" / "final")
+        out["sft"], _ = fid._train(cfg, model, self.tokenizer, self.sft_train, self.sft_val)
+        del model
+        t0 = time.perf_counter()
+        outs = fid.generate_greedy(runs / f"sft_{arm.slug}" / "final", self.tokenizer, self.prompts,
+                                   s.max_new_tokens, s.eval_batch, self.device)
+        ev = fid.score(outs, self.golds)
+        ev["per_problem"] = "".join("1" if c else "0" for c in ev["per_problem"])  # 500 bytes, for McNemar
+        out["eval"] = {**ev, "wall_s": round(time.perf_counter() - t0, 1)}
+        for stage in ("cpt", "sft"):
+            out[stage].pop("fp8_health", None)  # the trend holds it, check by check
+        return out
+
+
+def health_trend(run_dir: Path) -> list[dict]:
+    """Per health check: the step and, per layer type and operand, underflow / saturation and the smallest
+    scale (the grad_output scales are the ones that run small)."""
+    path = run_dir / "fp8_health.jsonl"
+    if not path.is_file():
+        return []
+    trend = []
+    for rec in read_jsonl(path):
+        if rec.get("layers"):
+            kinds = summarize_fp8_health(rec["layers"])
+            trend.append({"step": rec["step"], "by_layer_type": {
+                k: {r: {m: float(f"{v[m]:.3e}") for m in ("underflow", "saturation", "scale_min")}
+                    for r, v in roles.items()} for k, roles in kinds.items()}})
+    return trend
+
+
+def _write(path: Path, res: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(res, indent=1, default=str), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def run_arms(args: argparse.Namespace) -> dict:
+    arms = [parse_arm(spec, args.seed) for spec in args.arms]  # every spec checked before anything runs
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if args.device == "cpu" or not torch.cuda.is_available():
+        keep_freed_memory()  # as the `fp8train` command does: without it a CPU step is several times slower
+    runner = _Runner(args)
+    res = {"config": {k: v for k, v in vars(args).items() if k != "merge"}, "data": runner.data,
+           "setup_s": round(runner.clock.elapsed(), 1), "arms": {}, "skipped": {}, "errors": {}}
+    per_arm = args.arm_s  # the expected time of one arm until one has been measured
+    for arm in arms:
+        if runner.clock.left() < per_arm:
+            res["skipped"][arm.spec] = f"{runner.clock.left():.0f} s left, an arm takes about {per_arm:.0f} s"
+            continue
+        t0 = time.monotonic()
+        fid._log(runner.clock, f"arm {arm.spec}: {args.cpt_steps} CPT + {args.sft_steps} SFT steps")
+        try:
+            res["arms"][arm.spec] = {**runner.run(arm), "wall_s": round(time.monotonic() - t0, 1)}
+        except Exception:  # the other arms stand without it
+            res["errors"][arm.spec] = traceback.format_exc()
+            print(res["errors"][arm.spec], file=sys.stderr, flush=True)
+        per_arm = time.monotonic() - t0
+        _write(out, res)
+    res["wall_s"] = round(runner.clock.elapsed(), 1)
+    _write(out, res)
+    fid._plot(runner.work, [f"cpt_{a.slug}" for a in arms if a.spec in res["arms"]], out.with_suffix(".cpt.png"),
+              "CPT from SmolLM2-135M: FP8 knobs vs BF16")
+    return res
+
+
+# ------------------------------------------------------------------------------------------ merge
+
+
+def merge(paths: list[Path]) -> dict:
+    """The arms of several invocations (same steps and data, checked) with their gaps to `bf16`."""
+    arms, cfg0 = {}, None
+    for p in paths:
+        res = json.loads(p.read_text(encoding="utf-8"))
+        cfg = {k: res["config"][k] for k in ("cpt_steps", "sft_steps", "seed", "holdout", "smoke")}
+        if cfg0 is not None and cfg != cfg0:
+            raise ValueError(f"{p}: run with {cfg}, the first file with {cfg0}: the arms are not comparable")
+        cfg0 = cfg
+        arms.update(res["arms"])
+    if REFERENCE not in arms:
+        raise ValueError(f"no {REFERENCE!r} arm among {sorted(arms)}: nothing to measure the gaps against")
+    ref = arms[REFERENCE]
+    table = {}
+    for spec, r in arms.items():
+        row = {f"{st}_val_loss": r[st]["final_val_loss"] for st in ("cpt", "sft")}
+        row.update({f"{st}_gap": fid.rel_gap(r[st]["final_val_loss"], ref[st]["final_val_loss"])
+                    for st in ("cpt", "sft")})
+        row["accuracy"] = r["eval"]["accuracy"]
+        row["accuracy_diff_points"] = 100 * (r["eval"]["accuracy"] - ref["eval"]["accuracy"])
+        row["paired"] = fid.paired([c == "1" for c in ref["eval"]["per_problem"]],
+                                   [c == "1" for c in r["eval"]["per_problem"]])
+        row["cpt_tokens_per_s"] = r["cpt"]["tokens_per_s"]
+        table[spec] = row
+    floor = {st: [abs(row[f"{st}_gap"]) for spec, row in table.items()
+                  if spec.startswith(REFERENCE + "@")] for st in ("cpt", "sft")}
+    return {"config": cfg0, "table": table,
+            "noise_floor": {st: max(v) if v else None for st, v in floor.items()},
+            "accuracy_noise_points": max((abs(row["accuracy_diff_points"]) for spec, row in table.items()
+                                          if spec.startswith(REFERENCE + "@")), default=None)}
+
+
+def markdown(m: dict) -> str:
+    nf = m["noise_floor"]
+    lines = ["| arm | CPT val loss | CPT gap | SFT val loss | SFT gap | accuracy | vs BF16 (only BF16 / only arm, p) |",
+             "|---|---|---|---|---|---|---|"]
+    for spec, r in m["table"].items():
+        p = r["paired"]
+        lines.append(f"| {spec} | {r['cpt_val_loss']:.4f} | {fid._fmt(r['cpt_gap'], True)} | {r['sft_val_loss']:.4f} "
+                     f"| {fid._fmt(r['sft_gap'], True)} | {100 * r['accuracy']:.1f}% ({r['accuracy_diff_points']:+.1f}) "
+                     f"| {p['only_bf16']} / {p['only_fp8']}, p = {p['mcnemar_p']:.2f} |")
+    lines += ["", f"BF16 seed-to-seed spread (noise floor): CPT {fid._fmt(nf['cpt'], True)}, SFT "
+              f"{fid._fmt(nf['sft'], True)}, accuracy {m['accuracy_noise_points']} points."]
+    return "\n".join(lines) + "\n"
+
+
+def plot(m: dict, png: Path) -> None:
+    """CPT and SFT validation-loss gaps of every arm to `bf16`, the BF16 seeds' spread shaded."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    specs = [s for s in m["table"] if s != REFERENCE]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 0.45 * len(specs) + 1.6), sharey=True)
+    for ax, stage in zip(axes, ("cpt", "sft")):
+        gaps = [100 * m["table"][s][f"{stage}_gap"] for s in specs]
+        colors = ["0.6" if s.startswith(REFERENCE) else "tab:blue" for s in specs]
+        ax.barh(range(len(specs)), gaps, color=colors)
+        if m["noise_floor"][stage] is not None:
+            ax.axvspan(-100 * m["noise_floor"][stage], 100 * m["noise_floor"][stage], color="0.9", zorder=0,
+                       label="BF16 seed-to-seed")
+        ax.axvline(0, color="0.3", lw=0.8)
+        ax.set_xlabel(f"{stage.upper()} validation loss gap to BF16 (%)")
+        ax.legend(fontsize=8, loc="lower right")
+    axes[0].set_yticks(range(len(specs)), specs, fontsize=8)
+    axes[0].invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="results JSON (the CPT plot lands beside it)")
+    p.add_argument("--merge", nargs="+", default=None, help="results JSONs to join (no training)")
+    p.add_argument("--plot", default=None, help="with --merge: PNG of every arm's gaps")
+    p.add_argument("--arms", nargs="+", default=["bf16", "hybrid", "bf16@1", "hybrid+exact"])
+    p.add_argument("--work", default="/tmp/fp8train_knobs", help="runs, token caches and models")
+    p.add_argument("--base-gguf", default=None, help="SmolLM2-135M-Instruct GGUF; absent: the tiny untrained base")
+    p.add_argument("--gsm8k", default=None, help="GSM8K train.jsonl")
+    p.add_argument("--cpt-steps", type=int, default=96)
+    p.add_argument("--sft-steps", type=int, default=92)
+    p.add_argument("--holdout", type=int, default=500)
+    p.add_argument("--seed", type=int, default=0, help="the data split and the default training seed")
+    p.add_argument("--budget-s", type=float, default=540.0)
+    p.add_argument("--arm-s", type=float, default=120.0, help="expected seconds per arm until one is measured")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--smoke", action="store_true", help="CPU shapes (2 layers of the base, a few steps)")
+    args = p.parse_args(argv)
+    if args.merge is None and args.gsm8k is None:
+        p.error("--gsm8k is required to train")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.merge:
+        m = merge([Path(p) for p in args.merge])
+        _write(Path(args.out), m)
+        if args.plot:
+            plot(m, Path(args.plot))
+        print(markdown(m), end="")
+        return 0
+    res = run_arms(args)
+    return 1 if res["errors"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import statistics
 import sys
 import tempfile
@@ -29,6 +28,7 @@ import torch
 from fp8train.data import collate
 from fp8train.integrations.hf import FP8TrainerCallback, convert_for_training
 from fp8train.train.model import ModelConfig, build_model
+from _harness import append_jsonl, device_for, fill_defaults  # a sibling: benchmarks/ is on sys.path
 
 SHAPES = {"full": dict(source="qwen2.5-1.5b"),
           "tiny": dict(source="tiny-qwen2", vocab_size=512)}
@@ -149,21 +149,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--health-every", type=int, default=0, help="FP8 health every N steps (0 = off)")
     p.add_argument("--out", type=Path, default=None, help="append one JSON line per run here")
-    a = p.parse_args(argv)
-    defaults = dict(steps=(3, 20), warmup=(1, 5), seq=(64, 4096), micro_batch=(2, 2))
-    for key, (tiny, full) in defaults.items():
-        if getattr(a, key) is None:
-            setattr(a, key, tiny if a.tiny else full)
-    return a
+    return fill_defaults(p.parse_args(argv), dict(steps=(3, 20), warmup=(1, 5), seq=(64, 4096), micro_batch=(2, 2)))
 
 
 def main(argv=None) -> list[dict]:
     a = parse_args(argv)
-    device = torch.device(a.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("hf_trainer_gpu: no CUDA device (use --device cpu --tiny for the CPU check)")
-    if device.type == "cpu":
-        torch.set_num_threads(1)  # a tiny model gains nothing from more; spin-waiting threads crawl on a busy CPU
+    device = device_for(a.device, "hf_trainer_gpu")
     vocab = 512 if a.tiny else 151936
     rows = synthetic_rows(a.steps * a.micro_batch * a.accum, a.seq, vocab)
     results = []
@@ -176,9 +167,7 @@ def main(argv=None) -> list[dict]:
             mem = f"{r['peak_mem_gib']:.1f}" if r["peak_mem_gib"] is not None else "n/a"
             print(f"{kind:<8} {recipe:<8} {r['ms_per_step']:>9.1f} {r['tokens_per_s']:>10,.0f} {mem:>9} "
                   f"{r['loss_first']:>8.4f} {r['loss_last']:>9.4f}", flush=True)
-            if a.out is not None:
-                with open(a.out, "a", encoding="utf-8") as f:
-                    f.write(json.dumps(r) + "\n")
+            append_jsonl(a.out, r)
     for kind in a.trainers:
         by = {r["recipe"]: r for r in results if r["trainer"] == kind}
         if "bf16" in by:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import json
 import logging
 import statistics
 import sys
@@ -33,6 +32,7 @@ from fp8train import cache_fp8_weights, convert_to_fp8, freeze_fp8_weights
 from fp8train.train.lora import LoraConfig, apply_lora
 from fp8train.train.model import PRESETS, parallelize_model
 from fp8train.train.optim import OptimConfig, build_optimizer
+from _harness import append_jsonl, device_for, fill_defaults  # a sibling: benchmarks/ is on sys.path
 
 
 def model_config(tiny: bool):
@@ -146,20 +146,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-compile", action="store_true", help="eager layers (the CPU test's default is compiled)")
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--out", type=Path, default=None, help="append one JSON line per recipe here")
-    a = p.parse_args(argv)
-    for key, (tiny, full) in dict(seq=(64, 8192), steps=(2, 10)).items():
-        if getattr(a, key) is None:
-            setattr(a, key, tiny if a.tiny else full)
-    return a
+    return fill_defaults(p.parse_args(argv), dict(seq=(64, 8192), steps=(2, 10)))
 
 
 def main(argv=None) -> list[dict]:
     a = parse_args(argv)
-    device = torch.device(a.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("lora_gpu: no CUDA device (use --device cpu --tiny for the CPU check)")
-    if device.type == "cpu":
-        torch.set_num_threads(1)  # spin-waiting threads crawl on a busy CPU
+    device = device_for(a.device, "lora_gpu")
     results = []
     print(f"{'recipe':<18} {'ms/step':>9} {'tokens/s':>10} {'peak GiB':>9} {'loss 1':>8} {'loss last':>9} "
           f"{'frames':>7} {'recompiles':>10}", flush=True)
@@ -171,9 +163,7 @@ def main(argv=None) -> list[dict]:
               f"{r['loss_last']:>9.4f} {r['frames_compiled']:>7} {r['recompiles']:>10}", flush=True)
         for reason in r["recompile_reasons"]:
             print(f"    recompiled: {reason}")
-        if a.out is not None:
-            with open(a.out, "a", encoding="utf-8") as f:
-                f.write(json.dumps(r) + "\n")
+        append_jsonl(a.out, r)
     by = {r["recipe"]: r for r in results}
     if "bf16" in by:
         for recipe, r in by.items():

@@ -1,0 +1,35 @@
+"""What the GPU benchmark scripts share: their tiny/full defaults, the device they run on, one JSON line per
+result. A sibling module: the scripts import it from their own folder (tests/_benchmarks.py puts it on sys.path)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+
+def fill_defaults(args: argparse.Namespace, defaults: dict[str, tuple]) -> argparse.Namespace:
+    """Options left None get their (tiny, full) default by `args.tiny`."""
+    for key, (tiny, full) in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, tiny if args.tiny else full)
+    return args
+
+
+def device_for(name: str, script: str) -> torch.device:
+    """The device asked for; a one-line exit without CUDA; one CPU thread (a tiny model gains nothing from
+    more, and spin-waiting threads crawl on a busy CPU)."""
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"{script}: no CUDA device (use --device cpu --tiny for the CPU check)")
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    return device
+
+
+def append_jsonl(path: Path | None, record: dict) -> None:
+    if path is not None:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")

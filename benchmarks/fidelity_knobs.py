@@ -136,7 +136,7 @@ class _Runner:
                              health_every=max(1, steps // 8) if arm.recipe != "bf16" else 0))
 
     def run(self, arm: Arm) -> dict:
-        """CPT -> SFT -> greedy accuracy of one arm; the summaries without the curves (the plots have them)."""
+        """CPT -> SFT -> greedy accuracy of one arm: each stage's summary (curves included) and FP8 health trend."""
         s, a, runs = self.scale, self.args, self.work / "runs"
         wsd = OptimConfig(lr=s.cpt_lr, min_lr=s.cpt_lr / 10, weight_decay=0.1, schedule="wsd", warmup_ratio=0.1,
                           decay_ratio=0.15)
@@ -149,6 +149,7 @@ class _Runner:
         # the config names the CPT run's BF16 export: the FP32 model handed over in memory is not on disk
         cfg = self.config(arm, "sft", self.sft_data, cos, a.sft_steps, s.sft_batch, runs / f"cpt_{arm.slug}" / "final")
         out["sft"], _ = fid._train(cfg, model, self.tokenizer, self.sft_train, self.sft_val)
+        out["sft"]["fp8_health_trend"] = health_trend(Path(cfg.run_dir))
         del model
         t0 = time.perf_counter()
         outs = fid.generate_greedy(runs / f"sft_{arm.slug}" / "final", self.tokenizer, self.prompts,

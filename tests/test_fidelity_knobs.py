@@ -131,3 +131,33 @@ def test_exact_scales_and_bf16_layers_cut_the_forward_error_of_smollm2():
     assert ratio[("exact", "all")] < 0.85, ratio
     assert ratio[("pow2", "keep")] < 0.8, ratio
     assert ratio[("exact", "keep")] < min(ratio[("exact", "all")], ratio[("pow2", "keep")]) - 0.05, ratio
+
+
+# ------------------------------------------------------------------------------------- the pipeline
+
+
+@pytest.mark.slow
+def test_arms_run_end_to_end_at_smoke_size(tmp_path):
+    """Two arms through CPT -> SFT -> accuracy on the tiny fallback base: the knobs reach the trainer (layer 0
+    kept in BF16, exact scales), the health trend is kept for both stages, and --merge reads the result."""
+    gsm8k = tmp_path / "gsm8k.jsonl"
+    gsm8k.write_text("".join(json.dumps({"question": f"What is {i} plus {i}?", "answer": f"{i} + {i} = {2 * i}\n"
+                                                     f"#### {2 * i}"}) + "\n" for i in range(80)))
+    out = tmp_path / "arms.json"
+    assert knobs.main(["--smoke", "--gsm8k", str(gsm8k), "--out", str(out), "--work", str(tmp_path / "work"),
+                       "--arms", "bf16", "hybrid+exact+keep=0", "--cpt-steps", "2", "--sft-steps", "1",
+                       "--holdout", "4", "--device", "cpu"]) == 0
+    res = json.loads(out.read_text())
+    assert list(res["arms"]) == ["bf16", "hybrid+exact+keep=0"] and not res["skipped"] and not res["errors"]
+    fp8 = res["arms"]["hybrid+exact+keep=0"]
+    assert fp8["arm"] == {"recipe": "hybrid", "pow2_scale": False, "bf16_layers": [0], "seed": 0}
+    for stage in ("cpt", "sft"):
+        trend = fp8[stage]["fp8_health_trend"]
+        assert trend and set(trend[0]["by_layer_type"]) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                            "up_proj", "down_proj"}
+        assert res["arms"]["bf16"][stage]["fp8_health_trend"] == []
+    assert len(fp8["eval"]["per_problem"]) == fp8["eval"]["n"] == 4
+    m = knobs.merge([out])
+    assert m["table"]["hybrid+exact+keep=0"]["cpt_gap"] == pytest.approx(
+        fp8["cpt"]["final_val_loss"] / res["arms"]["bf16"]["cpt"]["final_val_loss"] - 1)
+    assert (tmp_path / "arms.cpt.png").is_file()

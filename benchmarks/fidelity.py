@@ -54,6 +54,7 @@ from fp8train.fp8.health import summarize_fp8_health
 from fp8train.data import (CptDataConfig, SftDataConfig, build_cpt_datasets, build_sft_datasets, collate,
                            load_tokenizer, read_sft_holdout)
 from fp8train.eval import SamplingConfig, extract_gold, extract_math_answer, generate, math_equal, render_prompts
+from fp8train.train.files import write_text_atomic
 from fp8train.train.metrics import read_jsonl
 from fp8train.train.model import ModelConfig, build_model
 from fp8train.train.optim import OptimConfig
@@ -308,6 +309,34 @@ def gradient_error_probe(base, recipes: dict, batch: dict, device) -> dict:
 # ------------------------------------------------------------------------------------------- runs
 
 
+def pick_device(name: str) -> torch.device:
+    """`auto`: CUDA when there is one, else the CPU."""
+    return torch.device(name if name != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+def cpt_schedule(lr: float) -> OptimConfig:
+    """The paper's CPT schedule scaled down: warmup 10%, stable, cosine to lr/10 over the last 15%; wd 0.1."""
+    return OptimConfig(lr=lr, min_lr=lr / 10, weight_decay=0.1, schedule="wsd", warmup_ratio=0.1, decay_ratio=0.15)
+
+
+def sft_schedule(lr: float) -> OptimConfig:
+    """SFT: cosine to lr/10 with 5% warmup, no weight decay."""
+    return OptimConfig(lr=lr, min_lr=lr / 10, weight_decay=0.0, schedule="cosine", warmup_ratio=0.05)
+
+
+def gsm8k_sft_data(path, scale: Scale, holdout: int, smoke: bool) -> SftDataConfig:
+    """GSM8K question / answer, packed into `scale.seq_len` rows; the last `holdout` problems never trained on."""
+    return SftDataConfig(paths=[str(path)], prompt_field="question", response_field="answer", seq_len=scale.seq_len,
+                         val_fraction=0.03, holdout_last=holdout, max_samples=300 if smoke else None)
+
+
+def holdout_prompts(sft_data: SftDataConfig, tokenizer, limit: int | None) -> tuple[list[str], list[str]]:
+    """The held-out problems as chat prompts (the template SFT trained with) and their gold answers."""
+    holdout = read_sft_holdout(sft_data)[:limit]
+    prompts = render_prompts(tokenizer, [[c[0]] for c in holdout], chat_template=True, force_think=False)
+    return prompts, [extract_gold(c[-1]["content"]) for c in holdout]
+
+
 def _train(cfg: TrainConfig, model, tokenizer, train, val, tf32: bool = False):
     """Run the Trainer; return (summary, trained model)."""
     shutil.rmtree(cfg.run_dir, ignore_errors=True)
@@ -478,10 +507,8 @@ def markdown(res: dict) -> str:
 
 
 def _write(out: Path, res: dict) -> None:
-    for name, text in (("results.json", json.dumps(res, indent=1, default=str)), ("summary.md", markdown(res))):
-        tmp = out / f".{name}.tmp"
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, out / name)
+    write_text_atomic(out / "results.json", json.dumps(res, indent=1, default=str))
+    write_text_atomic(out / "summary.md", markdown(res))
 
 
 def _plot(work: Path, names: list[str], png: Path, title: str) -> None:
@@ -497,8 +524,7 @@ class _Bench:
     def __init__(self, args: argparse.Namespace, res: dict, clock: _Clock):
         self.args, self.res, self.clock = args, res, clock
         self.scale = SMOKE if args.smoke else GPU
-        self.device = torch.device(args.device if args.device != "auto"
-                                   else ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.device = pick_device(args.device)
         self.out, self.work = Path(args.out), Path(args.work)
         self.tokens_per_step = self.scale.cpt_batch * self.scale.seq_len
         self.runs_left = 4 + (5 if args.ablation else 0)  # for the per-run overhead still to come
@@ -528,11 +554,6 @@ class _Bench:
         """Seconds of training left once evaluation, run overheads and the margin are set aside."""
         s = self.scale
         return self.clock.left() - s.margin_s - evals * s.eval_s - self.runs_left * s.run_overhead_s
-
-    def wsd(self, lr: float) -> OptimConfig:
-        """The paper's CPT schedule scaled down: warmup 10%, stable, cosine to lr/10 over the last 15%."""
-        return OptimConfig(lr=lr, min_lr=lr / 10, weight_decay=0.1, schedule="wsd", warmup_ratio=0.1,
-                           decay_ratio=0.15)
 
     # ------------------------------------------------------------------------------------- phases
 
@@ -611,7 +632,7 @@ class _Bench:
         """BF16 and FP8 hybrid CPT from the same base, seed and data."""
         self.res["cpt"], self.models = {}, {}
         for arm in ARMS:
-            cfg = self.config("cpt", f"cpt_{arm}", arm, self.cpt_data, self.wsd(self.scale.cpt_lr), self.cpt_steps,
+            cfg = self.config("cpt", f"cpt_{arm}", arm, self.cpt_data, cpt_schedule(self.scale.cpt_lr), self.cpt_steps,
                               self.scale.cpt_batch)
             self.log(f"CPT {arm}: {self.cpt_steps} steps of {self.tokens_per_step} tokens")
             self.res["cpt"][arm], self.models[arm] = self.train(cfg, copy.deepcopy(self.base), self.cpt_train,
@@ -625,9 +646,7 @@ class _Bench:
     def sft(self) -> None:
         """SFT of each CPT result (in memory, FP32 masters) on GSM8K, each arm in its own precision."""
         s, args = self.scale, self.args
-        self.sft_data = SftDataConfig(paths=[str(args.gsm8k)], prompt_field="question", response_field="answer",
-                                      seq_len=s.seq_len, val_fraction=0.03, holdout_last=args.holdout,
-                                      max_samples=300 if args.smoke else None)
+        self.sft_data = gsm8k_sft_data(args.gsm8k, s, args.holdout, args.smoke)
         train, val, stats = build_sft_datasets(self.sft_data, self.tokenizer, args.seed)
         per_epoch = math.ceil(len(train) / s.sft_batch)
         steps = min(_steps(self.avail(evals=2) * self.sft_share, s.sft_batch * s.seq_len,
@@ -636,7 +655,7 @@ class _Bench:
         self.res["plan"].update(sft_steps=steps, sft_epochs=round(steps / per_epoch, 2),
                                 sft_train_samples=stats.num_train, sft_train_rows=len(train),
                                 sft_holdout=stats.num_holdout)
-        optim = OptimConfig(lr=s.sft_lr, min_lr=s.sft_lr / 10, weight_decay=0.0, schedule="cosine", warmup_ratio=0.05)
+        optim = sft_schedule(s.sft_lr)
         self.res["sft"] = {}
         for arm in ARMS:
             # the config names the BF16 export of the CPT run: the FP32 model handed over is not on disk
@@ -651,9 +670,7 @@ class _Bench:
 
     def evaluate(self) -> None:
         """Greedy exact match of the final number on the held-out problems, both SFT exports."""
-        holdout = read_sft_holdout(self.sft_data)[:self.scale.eval_limit]
-        prompts = render_prompts(self.tokenizer, [[c[0]] for c in holdout], chat_template=True, force_think=False)
-        golds = [extract_gold(c[-1]["content"]) for c in holdout]
+        prompts, golds = holdout_prompts(self.sft_data, self.tokenizer, self.scale.eval_limit)
         ev = self.res["eval"] = {}
         for arm in ARMS:
             t0 = time.perf_counter()
@@ -680,7 +697,7 @@ class _Bench:
         ab["runs"], names = {}, []
         for name, recipe in {"bf16": "bf16", **recipes}.items():
             run = "abl_" + ("hybrid_" * (name not in ARMS) + name).lower().replace(" ", "-")
-            cfg = self.config("cpt", run, recipe, self.cpt_data, self.wsd(s.cpt_lr), steps, s.cpt_batch, evals=2)
+            cfg = self.config("cpt", run, recipe, self.cpt_data, cpt_schedule(s.cpt_lr), steps, s.cpt_batch, evals=2)
             summary, _ = self.train(cfg, _convert(copy.deepcopy(self.base), recipe), self.cpt_train, self.cpt_val,
                                     tf32=True)
             for key in ("train_curve", "val_curve"):  # the plot has them; results.json stays small

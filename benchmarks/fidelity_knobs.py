@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
 import sys
 import time
 import traceback
@@ -40,10 +39,10 @@ import torch
 
 import fidelity as fid  # benchmarks/ is on sys.path: the folder of the script, or tests/_benchmarks.py
 from fp8train.cli import keep_freed_memory
-from fp8train.data import SftDataConfig, build_sft_datasets, load_tokenizer, read_sft_holdout
-from fp8train.eval import extract_gold, render_prompts
+from fp8train.data import build_sft_datasets, load_tokenizer
 from fp8train.fp8.health import summarize_fp8_health
 from fp8train.train.config import LoopConfig, TrainConfig
+from fp8train.train.files import write_text_atomic
 from fp8train.train.metrics import read_jsonl
 from fp8train.train.model import ModelConfig, build_model
 from fp8train.train.optim import OptimConfig
@@ -97,8 +96,7 @@ class _Runner:
     def __init__(self, args: argparse.Namespace):
         self.args, self.clock = args, fid._Clock(args.budget_s)
         self.scale = fid.SMOKE if args.smoke else fid.GPU
-        self.device = torch.device(args.device if args.device != "auto"
-                                   else ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.device = fid.pick_device(args.device)
         self.work = Path(args.work)
         if args.base_gguf:
             self.base, self.tokenizer = fid.load_gguf(Path(args.base_gguf), 2 if args.smoke else None)
@@ -112,14 +110,9 @@ class _Runner:
         files, _ = fid._take(fid.corpus_files(args.seed), 0, need)
         self.cpt_data, self.cpt_train, self.cpt_val = fid._cpt_data(files, need, self.tokenizer, s, self.work,
                                                                     args.seed, "CPT")
-        self.sft_data = SftDataConfig(paths=[str(args.gsm8k)], prompt_field="question", response_field="answer",
-                                      seq_len=s.seq_len, val_fraction=0.03, holdout_last=args.holdout,
-                                      max_samples=300 if args.smoke else None)
+        self.sft_data = fid.gsm8k_sft_data(args.gsm8k, s, args.holdout, args.smoke)
         self.sft_train, self.sft_val, _ = build_sft_datasets(self.sft_data, self.tokenizer, args.seed)
-        holdout = read_sft_holdout(self.sft_data)[:s.eval_limit]
-        self.prompts = render_prompts(self.tokenizer, [[c[0]] for c in holdout], chat_template=True,
-                                      force_think=False)
-        self.golds = [extract_gold(c[-1]["content"]) for c in holdout]
+        self.prompts, self.golds = fid.holdout_prompts(self.sft_data, self.tokenizer, s.eval_limit)
         self.data = {"cpt_train_rows": len(self.cpt_train), "cpt_val_rows": len(self.cpt_val),
                      "sft_train_rows": len(self.sft_train), "holdout": len(self.golds),
                      "cpt_tokens_per_step": tps, "sft_tokens_per_step": s.sft_batch * s.seq_len}
@@ -138,16 +131,13 @@ class _Runner:
     def run(self, arm: Arm) -> dict:
         """CPT -> SFT -> greedy accuracy of one arm: each stage's summary (curves included) and FP8 health trend."""
         s, a, runs = self.scale, self.args, self.work / "runs"
-        wsd = OptimConfig(lr=s.cpt_lr, min_lr=s.cpt_lr / 10, weight_decay=0.1, schedule="wsd", warmup_ratio=0.1,
-                          decay_ratio=0.15)
-        cos = OptimConfig(lr=s.sft_lr, min_lr=s.sft_lr / 10, weight_decay=0.0, schedule="cosine", warmup_ratio=0.05)
         out: dict = {"arm": {"recipe": arm.recipe, "pow2_scale": arm.pow2_scale,
                              "bf16_layers": list(arm.bf16_layers), "seed": arm.seed}}
-        cfg = self.config(arm, "cpt", self.cpt_data, wsd, a.cpt_steps, s.cpt_batch, self.base_dir)
+        cfg = self.config(arm, "cpt", self.cpt_data, fid.cpt_schedule(s.cpt_lr), a.cpt_steps, s.cpt_batch, self.base_dir)
         out["cpt"], model = fid._train(cfg, copy.deepcopy(self.base), self.tokenizer, self.cpt_train, self.cpt_val)
         out["cpt"]["fp8_health_trend"] = health_trend(Path(cfg.run_dir))
         # the config names the CPT run's BF16 export: the FP32 model handed over in memory is not on disk
-        cfg = self.config(arm, "sft", self.sft_data, cos, a.sft_steps, s.sft_batch, runs / f"cpt_{arm.slug}" / "final")
+        cfg = self.config(arm, "sft", self.sft_data, fid.sft_schedule(s.sft_lr), a.sft_steps, s.sft_batch, runs / f"cpt_{arm.slug}" / "final")
         out["sft"], _ = fid._train(cfg, model, self.tokenizer, self.sft_train, self.sft_val)
         out["sft"]["fp8_health_trend"] = health_trend(Path(cfg.run_dir))
         del model
@@ -179,9 +169,7 @@ def health_trend(run_dir: Path) -> list[dict]:
 
 
 def _write(path: Path, res: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(res, indent=1, default=str), encoding="utf-8")
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(res, indent=1, default=str))
 
 
 def run_arms(args: argparse.Namespace) -> dict:

@@ -35,6 +35,7 @@ from fp8train.cli import keep_freed_memory
 from fp8train.data import load_tokenizer
 from fp8train.fp8.recipe import make_recipe
 from fp8train.train.config import LoopConfig, TrainConfig
+from fp8train.train.files import write_text_atomic
 from fp8train.train.model import ModelConfig, build_model
 from fp8train.train.optim import OptimConfig
 
@@ -199,8 +200,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--smoke", action="store_true", help="CPU shapes and a few steps: a check of the code")
     args = p.parse_args(argv)
-    if args.device == "auto":
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    args.device = fid.pick_device(args.device).type
     if args.smoke:
         args.shapes, args.min_steps, args.seq_len, args.rows, args.micro_batch, args.eval_batches = (
             [Shape(128, 1), Shape(256, 2)], 2, 128, 4, 2, 2)
@@ -236,7 +236,7 @@ def main(argv=None) -> int:
     for result in done:  # written as each run ends: a timeout keeps what finished
         res["runs"].append(result)
         res["gaps"], res["wall_s"] = gaps(res["runs"]), round(time.monotonic() - t0, 1)
-        out.write_text(json.dumps(res, indent=1, default=str), encoding="utf-8")
+        write_text_atomic(out, json.dumps(res, indent=1, default=str))
         print(f"[width] {result['run']['name']}: val loss {result['final_val_loss']:.4f} in {result['wall_s']} s, "
               f"{result['tokens_per_s'] or 0:,.0f} tokens/s", flush=True)
     if pool:

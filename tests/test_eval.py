@@ -10,6 +10,8 @@ import torch
 import fp8train.eval.runner as runner
 from fp8train.eval import Completion, EvalConfig, add_cli, extract_math_answer, load_problems, math_equal, run_eval
 
+from _benchmarks import load_benchmark
+
 GSM8K = Path(__file__).resolve().parents[1] / "configs" / "data" / "gsm8k" / "train_320.jsonl"  # shipped
 
 
@@ -231,7 +233,6 @@ def test_eval_runs_with_the_requested_cpu_threads(tmp_path, monkeypatch):
 
 def test_the_fidelity_benchmark_generates_through_the_package(tiny_model):
     """benchmarks/fidelity.py has no generation of its own: its greedy answers are fp8train.eval's."""
-    from _benchmarks import load_benchmark
     from fp8train.eval import SamplingConfig, generate, load_tokenizer_for
 
     fidelity = load_benchmark("fidelity")

@@ -43,13 +43,13 @@ from fp8train.train.optim import OptimConfig
 from fp8train.fp8.recipe import Fp8Format, OperandConfig
 from fp8train.train.trainer import Trainer
 
+from _benchmarks import load_benchmark
+
 STEPS, BATCH, SEQ, LR = 300, 8, 64, 1e-3
 EOS, VOCAB = 256, 320  # 256 byte values + EOS, rounded up to a multiple of 64
 FIRST_STEP_RTOL = 2e-3
 TRAIN_GAP, VAL_GAP = 0.01, 0.015
 WINDOW = STEPS // 5
-
-from _benchmarks import load_benchmark  # noqa: E402
 
 fidelity = load_benchmark("fidelity")
 

@@ -4,14 +4,13 @@ tensors whose answers are worked out by hand. A few seconds on a CPU."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from fp8train import FP8Linear
 
-from _benchmarks import load_benchmark  # noqa: E402
+from _benchmarks import load_benchmark
 
 fl = load_benchmark("fidelity_layers")
 

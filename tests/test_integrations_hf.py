@@ -37,6 +37,7 @@ from fp8train.train.model import ModelConfig, build_model  # noqa: E402
 from fp8train.train.optim import OptimConfig  # noqa: E402
 from fp8train.train.trainer import Trainer as Fp8Trainer  # noqa: E402
 from test_trainer import byte_tokenizer, one_thread  # noqa: E402,F401
+from _benchmarks import load_benchmark  # noqa: E402
 
 SEQ, ROWS, GLOBAL, MICRO, STEPS, LR = 64, 32, 8, 4, 4, 3e-3
 
@@ -260,10 +261,8 @@ def test_gpu_benchmark_script_runs_on_cpu(tmp_path):
     """benchmarks/hf_trainer_gpu.py (the lead's H200 run) in its CPU mode, SFTTrainer only (a Trainer subclass):
     both recipes train and write their JSON lines."""
     out = tmp_path / "runs.jsonl"
-    from _benchmarks import load_benchmark
-
     results = load_benchmark("hf_trainer_gpu").main(["--device", "cpu", "--tiny", "--trainers", "sft", "--steps", "2",
-                                                 "--out", str(out)])
+                                                     "--out", str(out)])
     assert [(r["trainer"], r["recipe"]) for r in results] == [("sft", "bf16"), ("sft", "hybrid")]
     assert [json.loads(line)["recipe"] for line in out.read_text().splitlines()] == ["bf16", "hybrid"]
     for r in results:

@@ -33,6 +33,7 @@ from fp8train.train.lora import LoraConfig, apply_lora  # noqa: E402
 from fp8train.train.model import build_model  # noqa: E402
 from fp8train.train.trainer import Trainer  # noqa: E402
 from test_trainer import byte_tokenizer, corpus, one_thread, tiny_config  # noqa: E402,F401
+from _benchmarks import load_benchmark  # noqa: E402
 
 STEPS = 20
 LORA = {"model.lora.rank": 8, "train.steps": STEPS, "optim.lr": 3e-3, "optim.warmup_steps": 2,
@@ -193,8 +194,6 @@ def test_lora_config_errors_name_the_key(tmp_path, byte_tokenizer, corpus):
 
 def test_lora_gpu_benchmark_script_runs_on_cpu(tmp_path):
     """benchmarks/lora_gpu.py (the lead's H200 run) in its CPU mode, eager (compiling on a CPU takes minutes)."""
-    from _benchmarks import load_benchmark
-
     bench = load_benchmark("lora_gpu")
     results = bench.main(["--device", "cpu", "--tiny", "--no-compile", "--warmup", "1", "--out",
                           str(tmp_path / "lora.jsonl")])

@@ -20,8 +20,9 @@ import torch.nn.functional as F
 from fp8train.train.loss import linear_cross_entropy, use_loss
 from fp8train.train.model import ModelConfig, build_model
 
+from _benchmarks import load_benchmark
+
 VOCAB = 320
-from _benchmarks import load_benchmark  # noqa: E402
 
 bench = load_benchmark("lm_head_loss")
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -19,6 +18,7 @@ import torch
 
 from ..threads import cpu_threads
 from ..train.checkpoint import hf_model_dir
+from ..train.files import write_text_atomic
 from .generate import BACKENDS, SamplingConfig, generate, load_tokenizer_for, render_prompts, resolve_backend
 from .scoring import LETTERS, extract_choice, extract_gold, extract_math_answer, math_equal, shuffle_choices
 
@@ -231,12 +231,6 @@ def _majority(answers: list[str | None], same) -> int | None:
     return max(groups, key=len)[0] if groups else None
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
-
 def run_eval(cfg: EvalConfig) -> dict:
     """Evaluate `cfg.model` on `cfg.data`; writes results.jsonl and metrics.json, returns the metrics."""
     start = time.time()
@@ -290,8 +284,8 @@ def run_eval(cfg: EvalConfig) -> dict:
         "config": json.loads(json.dumps(asdict(cfg))),  # as metrics.json holds it (tuples as lists)
     }
     out.mkdir(parents=True, exist_ok=True)
-    _write_atomic(out / "results.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
-    _write_atomic(out / "metrics.json", json.dumps(metrics, indent=2) + "\n")
+    write_text_atomic(out / "results.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    write_text_atomic(out / "metrics.json", json.dumps(metrics, indent=2) + "\n")
     return metrics
 
 

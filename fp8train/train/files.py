@@ -92,6 +92,13 @@ def files_on_disk(root: Path) -> dict[str, int]:
     return found
 
 
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write `text` to a hidden sibling and rename it over `path`: a reader sees the old file or the new one."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
 def write_json(path: Path, obj: dict) -> None:
     with open(path, "w", encoding="utf-8") as f:
         json.dump(obj, f, indent=2, sort_keys=True)

@@ -5,8 +5,8 @@
 The activation kernel reads x [M, K] (BF16) once and writes two FP8 copies plus their scales, so its
 floor is (2 + 1 + 1) bytes per element at copy bandwidth; the weight kernel reads FP32 and writes two
 FP8 copies (4 + 1 + 1). Variants: the library's kernels at 4/8/16 warps, the rows-only launch (no
-backward), a strip variant that loops over several 128-feature tiles per program (software-pipelined
-loads), and `--legacy` (a copy of an older `_triton_quant.py`, for A/B in one process).
+backward), the same with exact FP32 scales (`pow2_scale: false`), a strip variant that loops over several
+128-feature tiles per program (software-pipelined loads), and `--legacy` (a copy of an older `_triton_quant.py`, for A/B in one process).
 """
 
 from __future__ import annotations
@@ -45,10 +45,10 @@ def _strip_kernel(x_ptr, M, K, stride_xm, qr_ptr, sr_ptr, Kp, qc_ptr, sc_ptr, Mp
         ax = tq._abs_bits(x, True)
         s_r = tq._scale_from_amax_bits(tq._amax_bits(ax, 1, True), FMT_MAX, True)
         s_c = tq._scale_from_amax_bits(tq._amax_bits(ax, 0, True), FMT_MAX, True)
-        q_r = tq._quant(x, s_r[:, None], tq._inverse(s_r, True)[:, None], FMT_MAX, DTYPE, True)
+        q_r = tq._quant(x, tq._inverse(s_r, True)[:, None]).to(DTYPE)
         tl.store(qr_ptr + offs_m[:, None] * Kp + offs_k[None, :], q_r, mask=in_m[:, None] & (offs_k < Kp)[None, :])
         tl.store(sr_ptr + pid_k * M + offs_m, s_r, mask=in_m & (pid_k * BLOCK < Kp))
-        q_c = tq._quant(x, s_c[None, :], tq._inverse(s_c, True)[None, :], FMT_MAX, DTYPE, True)
+        q_c = tq._quant(x, tq._inverse(s_c, True)[None, :]).to(DTYPE)
         tl.store(qc_ptr + offs_k[:, None] * Mp + offs_m[None, :], tl.trans(q_c),
                  mask=in_k[:, None] & (offs_m < Mp)[None, :])
         tl.store(sc_ptr + pid_m * K + offs_k, s_c, mask=in_k & (pid_m * BLOCK < Mp))
@@ -71,20 +71,20 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.element_size() == 1 else t.view(torch.int32)
 
 
-def check_act(fn, x) -> bool:
+def check_act(fn, x, pow2: bool) -> bool:
     M, K = x.shape
     qr, sr, qc, sc = fn(x)
-    r, c = quantize(x, (1, 128), E4M3, True), quantize(x.t(), (1, 128), E4M3, True)
+    r, c = quantize(x, (1, 128), E4M3, pow2), quantize(x.t(), (1, 128), E4M3, pow2)
     ok = torch.equal(_bits(qr[:, :K]), _bits(r.data)) and torch.equal(_bits(sr[:, :r.scale.shape[1]]), _bits(r.scale))
     if qc is not None:
         ok &= torch.equal(_bits(qc[:, :M]), _bits(c.data)) and torch.equal(_bits(sc[:, :c.scale.shape[1]]), _bits(c.scale))
     return bool(ok)
 
 
-def check_weight(fn, w) -> bool:
+def check_weight(fn, w, pow2: bool) -> bool:
     N, K = w.shape
-    q, qt, s = fn(w)
-    ref = quantize(w, (128, 128), E4M3, True)
+    (q, s), (qt, _) = fn(w)
+    ref = quantize(w, (128, 128), E4M3, pow2)
     return bool(torch.equal(_bits(q[:, :K]), _bits(ref.data)) and torch.equal(_bits(qt[:, :N]), _bits(ref.data.t().contiguous()))
                 and torch.equal(_bits(s[:, :ref.scale.shape[1]]), _bits(ref.scale)))
 
@@ -120,14 +120,18 @@ def main(argv=None) -> int:
     act = {f"w{w}": (lambda x, w=w: tq.quantize_tiles_and_transpose(x, E4M3, E4M3, True, 512, num_warps=w))
            for w in (4, 8, 16)}
     act["w8 rows-only"] = lambda x: tq.quantize_tiles_and_transpose(x, E4M3, E4M3, True, 512, cols=False)
+    # exact FP32 scales (`pow2_scale: false`): one correctly rounded reciprocal per block, then a multiply
+    act["w8 exact"] = lambda x: tq.quantize_tiles_and_transpose(x, E4M3, E4M3, False, 512)
+    act["w8 exact rows-only"] = lambda x: tq.quantize_tiles_and_transpose(x, E4M3, E4M3, False, 512, cols=False)
     for tiles, stages in ((2, 2), (4, 2), (4, 3)):
         act[f"strip t{tiles} s{stages}"] = lambda x, t=tiles, s=stages: strip_quantize(x, t, s)
     if legacy is not None:
         act["legacy"] = lambda x: legacy.quantize_tiles_and_transpose(x, E4M3, E4M3, True, 512)
     wgt = {f"w{w}": (lambda w_, w=w: (tq.quantize_blocks(w_, E4M3, True, 512, num_warps=w),
                                       tq.quantize_blocks(w_, E4M3, True, 512, True, num_warps=w))) for w in (4, 8, 16)}
+    wgt["w8 exact"] = lambda w_: (tq.quantize_blocks(w_, E4M3, False, 512), tq.quantize_blocks(w_, E4M3, False, 512, True))
     if legacy is not None:
-        wgt["legacy"] = lambda w_: legacy.quantize_blocks_and_transpose(w_, E4M3, True, 512)
+        wgt["legacy"] = lambda w_: (lambda q, qt, s: ((q, s), (qt, s)))(*legacy.quantize_blocks_and_transpose(w_, E4M3, True, 512))
 
     rows = []
     for kind, shapes, variants, dtype, nbytes in (("activation", ACT_SHAPES, act, torch.bfloat16, 4),
@@ -137,7 +141,7 @@ def main(argv=None) -> int:
             floor_us = shape[0] * shape[1] * nbytes / (copy_tbs * 1e12) * 1e6
             for name, fn in variants.items():
                 try:
-                    ok = (check_act if kind == "activation" else check_weight)(fn, x)
+                    ok = (check_act if kind == "activation" else check_weight)(fn, x, "exact" not in name)
                     us = _us(lambda: fn(x))
                 except Exception as e:  # a variant that does not compile is reported, not fatal
                     print(f"{kind} {shape} {name}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)

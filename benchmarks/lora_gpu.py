@@ -10,7 +10,8 @@ each decoder layer compiled (`parallelize_model(compile=True)`, fp8train's induc
 projections to FP8Linear first (`convert_to_fp8`), then LoRA wraps them (`apply_lora`), and keeps the
 frozen base in FP8 for the run, its BF16 weights in host memory (`freeze_fp8_weights(offload=True)`), as
 `model.lora` does in fp8train's trainer. For the A/B: `hybrid+on-gpu` freezes without offloading,
-`hybrid+every-step` quantizes the base weights in every forward and backward (the path before freezing). Printed per recipe: ms/step and tokens/s (median over the steps after
+`hybrid+every-step` quantizes the base weights in every forward and backward (the path before freezing);
+`+deep_gemm` runs the base's GEMMs (output and grad_input) on DeepGEMM's kernel. Printed per recipe: ms/step and tokens/s (median over the steps after
 `--warmup`), peak GPU memory (whole run, model included), the loss of the first and last step, and what
 dynamo compiled: frames compiled, and recompilations with their first reasons (the target: none per step).
 """
@@ -28,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from fp8train import cache_fp8_weights, convert_to_fp8, freeze_fp8_weights
+from fp8train import cache_fp8_weights, convert_to_fp8, freeze_fp8_weights, make_recipe
 from fp8train.train.lora import LoraConfig, apply_lora
 from fp8train.train.model import PRESETS, parallelize_model
 from fp8train.train.optim import OptimConfig, build_optimizer
@@ -68,11 +69,13 @@ def run_one(recipe: str, a: argparse.Namespace, device: torch.device) -> dict:
         model = AutoModelForCausalLM.from_config(model_config(a.tiny), dtype=torch.bfloat16,
                                                  attn_implementation="sdpa")
     model.train()
-    base, _, mode = recipe.partition("+")
-    if mode not in ("", "on-gpu", "every-step"):
-        raise SystemExit(f"lora_gpu: unknown variant {recipe!r} (RECIPE, RECIPE+on-gpu, RECIPE+every-step)")
+    base, *mods = recipe.split("+")
+    if not set(mods) <= {"on-gpu", "every-step", "deep_gemm"} or {"on-gpu", "every-step"} <= set(mods):
+        raise SystemExit(f"lora_gpu: unknown variant {recipe!r} (RECIPE, RECIPE+on-gpu, RECIPE+every-step, "
+                         "each optionally +deep_gemm)")
+    mode = next((m for m in mods if m != "deep_gemm"), "")
     if base != "bf16":
-        convert_to_fp8(model, base)
+        convert_to_fp8(model, make_recipe(base, deep_gemm="deep_gemm" in mods))
     model = apply_lora(model, LoraConfig(rank=a.rank, alpha=2 * a.rank))  # adapters FP32, the base frozen
     parallelize_model(model, activation_checkpointing=a.activation_checkpointing, compile=not a.no_compile)
     optimizer = build_optimizer(model, OptimConfig(lr=1e-4, weight_decay=0.0, fused=device.type == "cuda"))

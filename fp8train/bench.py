@@ -10,7 +10,8 @@ grad clipping) on the same random tokens from the same initial weights; only the
   torchao-rowwise      is importable
 A variant may carry recipe modifiers, for A/B runs in one process: `hybrid+wgrad_from_fp8` (the recipe's
 `wgrad_input_from_fp8`: one FP8 copy of each input, input.T re-quantized from it in the backward),
-`hybrid+swiglu_fp8` (`swiglu_inputs_fp8`: the SwiGLU's inputs saved for backward in FP8).
+`hybrid+swiglu_fp8` (`swiglu_inputs_fp8`: the SwiGLU's inputs saved for backward in FP8), `hybrid+deep_gemm`
+(`deep_gemm`: output and grad_input on DeepGEMM's kernel), `hybrid+exact` (`pow2_scale: false`).
 `compiled` applies torch.compile to each decoder layer, for every variant alike (the trainer's
 `train.compile`); `cudagraphs` also replays each layer as CUDA graphs (`train.cuda_graphs`). Step time
 is the median of the timed steps after the warm-up; peak memory is torch.cuda.max_memory_allocated over
@@ -39,7 +40,9 @@ __all__ = ["BenchCase", "run_case", "parse_variant", "categorize_profile", "top_
            "markdown_table", "main"]
 
 VARIANTS = ("bf16", "hybrid", "tensorwise", "torchao-tensorwise", "torchao-rowwise")
-_MODIFIERS = {"wgrad_from_fp8": "wgrad_input_from_fp8", "swiglu_fp8": "swiglu_inputs_fp8"}  # `name+modifier`: recipe field
+# `name+modifier`: (recipe field, value)
+_MODIFIERS = {"wgrad_from_fp8": ("wgrad_input_from_fp8", True), "swiglu_fp8": ("swiglu_inputs_fp8", True),
+              "deep_gemm": ("deep_gemm", True), "exact": ("pow2_scale", False)}
 MODES = ("eager", "compiled", "cudagraphs")
 
 _KERNEL_CATEGORIES = [  # (category, regex on the CUDA kernel name), first match wins
@@ -51,8 +54,8 @@ _KERNEL_CATEGORIES = [  # (category, regex on the CUDA kernel name), first match
     ("norms and elementwise", r"."),
 ]
 # cuBLAS names a kernel by its operand types: FP8 ones are nvjet_sm90_qq*/qr* (q: E4M3, r: E5M2; BF16 is
-# t: nvjet_sm90_tst_*) or sm90_xmma_gemm_e4m3*
-_FP8_GEMM = r"nvjet_sm\d+_q|e4m3|e5m2"
+# t: nvjet_sm90_tst_*) or sm90_xmma_gemm_e4m3*; DeepGEMM's are sm90_fp8_gemm_*
+_FP8_GEMM = r"nvjet_sm\d+_q|e4m3|e5m2|fp8_gemm"
 
 
 @dataclass(frozen=True)
@@ -168,7 +171,7 @@ def parse_variant(name: str):
     if base not in VARIANTS or any(m not in _MODIFIERS for m in mods):
         raise ValueError(f"unknown variant {name!r}: one of {list(VARIANTS)}, optionally with "
                          f"{['+' + m for m in _MODIFIERS]}")
-    return base, replace(make_recipe(base), **{_MODIFIERS[m]: True for m in mods}) if mods else None
+    return base, replace(make_recipe(base), **dict(_MODIFIERS[m] for m in mods)) if mods else None
 
 
 def run_case(case: BenchCase, *, steps: int = 5, warmup: int = 2, device: str = "cuda", profile: bool = False,
@@ -305,7 +308,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--seq", type=int, nargs="+", default=[8192])
     p.add_argument("--vocab", type=int, default=None, help="embedding rows (default: the preset's)")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), metavar="VARIANT",
-                   help=f"{', '.join(VARIANTS)}; modifiers: +wgrad_from_fp8, +swiglu_fp8 (see above)")
+                   help=f"{', '.join(VARIANTS)}; modifiers: +wgrad_from_fp8, +swiglu_fp8, +deep_gemm, +exact (see above)")
     p.add_argument("--modes", nargs="+", default=["compiled"], choices=MODES,
                    help="compiled: torch.compile per layer; cudagraphs: also CUDA graphs (no per-kernel launch cost)")
     p.add_argument("--steps", type=int, default=5, help="timed steps (median)")

@@ -24,17 +24,25 @@ import torch
 import triton
 
 from fp8train.fp8 import kernels as tq
-from fp8train.fp8.quant import compute_scale
+from fp8train.fp8.quant import compute_scale, reciprocal
 from fp8train.fp8.recipe import Fp8Format
 
 
 def _pre_conversion(x2d, fmt, pow2):
-    """Reference FP32 values x / scale (clamped) and scales, 1x128 tiles along the last dim."""
+    """Reference FP32 values x * RN(1 / scale) and scales, 1x128 tiles along the last dim. Unclamped, as the
+    kernels store them: the reference's clamp changes nothing after the FP8 conversion because every finite
+    value lies within fmt.max * (1 + 2^-22) (`_within_range` checks it on every input here)."""
     R, C = x2d.shape
     nc = -(-C // 128)
     p = torch.nn.functional.pad(x2d.float(), (0, nc * 128 - C)).view(R, nc, 128)
     s = compute_scale(p.abs().amax(-1), fmt, pow2)
-    return (p / s[..., None]).clamp(-fmt.max, fmt.max).view(R, -1)[:, :C], s
+    return (p * reciprocal(s)[..., None]).view(R, -1)[:, :C], s
+
+
+def _within_range(q, fmt) -> bool:
+    """Finite pre-conversion values round to at most +-fmt.max (the clamp is a no-op after conversion)."""
+    finite = q[torch.isfinite(q)].abs()
+    return bool((finite <= fmt.max * (1 + 2 ** -22)).all())
 
 
 def _bits(t):
@@ -68,6 +76,8 @@ def interpret() -> dict:
             for pow2 in (True, False):
                 rr, rs = _pre_conversion(x, fmt, pow2)
                 cr, cs = _pre_conversion(x.t(), fmt, pow2)
+                if not (_within_range(rr, fmt) and _within_range(cr, fmt)):
+                    failures.append(f"activation {name} {f} pow2={pow2}: a value beyond fmt.max * (1 + 2^-22)")
                 for cols in (True, False):
                     qr, sr, qc, sc = tq.quantize_tiles_and_transpose(x, fake, fake, pow2, 512, cols=cols)
                     ok = torch.equal(_bits(qr[:, :K]), _bits(rr)) and torch.equal(_bits(sr[:, :rs.shape[1]]), _bits(rs))
@@ -88,8 +98,9 @@ def interpret() -> dict:
                 nb, kb = M // 128, -(-K // 128)
                 blocks = torch.nn.functional.pad(x, (0, kb * 128 - K)).view(nb, 128, kb, 128)
                 rs = compute_scale(blocks.abs().amax(dim=(1, 3)), fmt, pow2)
-                rq = (blocks / rs[:, None, :, None]).clamp(-fmt.max, fmt.max).reshape(M, kb * 128)[:, :K]
-                ok = torch.equal(_bits(q[:, :K]), _bits(rq)) and torch.equal(_bits(qt[:, :M]), _bits(rq.t()))
+                rq = (blocks * reciprocal(rs)[:, None, :, None]).reshape(M, kb * 128)[:, :K]
+                ok = _within_range(rq, fmt)
+                ok &= torch.equal(_bits(q[:, :K]), _bits(rq)) and torch.equal(_bits(qt[:, :M]), _bits(rq.t()))
                 ok &= torch.equal(_bits(s[:, :kb]), _bits(rs)) and torch.equal(_bits(st[:, :nb]), _bits(rs.t()))
                 ok &= not q[:, K:].any() and not qt[:, M:].any()  # padding: zero data, scale 1
                 ok &= bool((s[:, kb:] == 1).all()) and bool((st[:, nb:] == 1).all())

@@ -19,10 +19,13 @@ def test_bench_runs_every_variant_in_one_harness(capsys):
 
 
 def test_variant_modifiers(capsys):
-    """`+wgrad_from_fp8`, `+swiglu_fp8` convert with those recipe knobs (the trainer finds the layers converted)."""
-    from fp8train.bench import BenchCase, run_case
+    """`+wgrad_from_fp8`, `+swiglu_fp8`, `+deep_gemm` convert with those recipe knobs (the trainer finds the layers converted)."""
+    from fp8train import make_recipe
+    from fp8train.bench import BenchCase, parse_variant, run_case
 
-    variants = ("hybrid", "hybrid+wgrad_from_fp8", "hybrid+swiglu_fp8", "hybrid+wgrad_from_fp8+swiglu_fp8")
+    variants = ("hybrid", "hybrid+wgrad_from_fp8", "hybrid+swiglu_fp8", "hybrid+wgrad_from_fp8+swiglu_fp8",
+                "hybrid+deep_gemm")  # deep_gemm: ignored by the CPU's emulated GEMMs
+    assert parse_variant("hybrid+exact+deep_gemm")[1] == make_recipe("hybrid", pow2_scale=False, deep_gemm=True)
     res = {v: run_case(BenchCase("tiny-qwen2", None, 64, v, "eager", 512), steps=1, warmup=1, device="cpu")
            for v in variants}
     assert all(r["fp8_layers"] == 14 for r in res.values()), res
@@ -64,3 +67,22 @@ def test_profile_counts_kernels_once_and_splits_fp8_gemms_by_kernel_name():
                              "tokens_per_s": 4.0, "tflops": 1.0, "mfu_bf16_peak": 0.1, "peak_mem_gib": 1.0,
                              "loss_first": 1.0, "loss_last": 0.5, "profile_ms": p}])
     assert "| 3.0 | 5.0 | 1.0 | 2.0 | 0.2 | 0.5 | 0.0 | 11.8 |" in table
+
+
+def test_gemm_backends_table_routes_grad_weight_to_cublas():
+    """benchmarks/gemm_backends.py's per-layer sum: each shape as often as a decoder layer has it, and the
+    `deep_gemm` column takes DeepGEMM's time for output / grad_input but cuBLAS's for grad_weight."""
+    from _benchmarks import load_benchmark
+
+    gb = load_benchmark("gemm_backends")
+    rows = []
+    for shape, n in gb._PER_LAYER.items():
+        for gemm, (cub, deep) in {"output": (1.0, 0.5), "grad_input": (1.0, 0.5), "grad_weight": (1.0, 3.0)}.items():
+            rows.append({"model": "7b", "shape": shape, "gemm": gemm, "M": 8192, "N": 128, "K": 128, "cublas_ms": cub,
+                         "cublas_tflops": 1.0, "cublas_sqnr": 55.0, "deepgemm_ms": deep, "deepgemm_tflops": 2.0,
+                         "deepgemm_sqnr": 55.0, "deepgemm_bit_identical": True})
+    text = gb.table(rows)
+    layers = sum(gb._PER_LAYER.values())
+    assert layers == 7 and text.count("| 7b |") == 12
+    assert (f"cuBLAS {3 * layers:.2f} ms; with `deep_gemm` (output and grad_input on DeepGEMM) {2 * layers:.2f} ms "
+            f"({3 / 2:.3f}x); all on DeepGEMM {4 * layers:.2f} ms") in text

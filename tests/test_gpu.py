@@ -408,3 +408,50 @@ def test_cuda_graphs_replay_the_compiled_fp8_step():
     assert runs["compiled"]["fp8_layers"] > 0
     for key in ("loss_first", "loss_last"):
         assert abs(runs["compiled"][key] - runs["cudagraphs"][key]) < 1e-5, (key, runs)
+
+
+def _deep_gemm_importable() -> bool:
+    try:
+        import deep_gemm  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _deep_gemm_importable(), reason="needs DeepGEMM (the recipe's deep_gemm; docs/benchmarks.md)")
+@pytest.mark.parametrize("mode", ["eager", "compiled", "cudagraphs"])
+def test_deep_gemm_route_equals_cublas_on_cuda(mode):
+    """The recipe's `deep_gemm`: output and grad_input on DeepGEMM's kernel give cuBLAS's numbers bit for bit
+    (outputs, input and weight gradients of two Linears at 7B-like widths), eagerly, compiled and replayed
+    as CUDA graphs, and the GEMMs really ran there (DeepGEMM's kernel in the profile)."""
+    import torch._dynamo
+
+    def run(recipe, compile_mode):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(3584, 2048, bias=False), torch.nn.Linear(2048, 3584, bias=False)).cuda()
+        convert_to_fp8(m, recipe, module_filter_fn=lambda mod, fqn: True)
+        fn = m if compile_mode is None else torch.compile(m, mode=compile_mode)
+        x = torch.randn(4096, 3584, device="cuda")
+        g = torch.randn(4096, 3584, device="cuda").bfloat16()
+        out = None
+        for _ in range(3):  # warm-up and capture for CUDA graphs; the last run is compared
+            m.zero_grad(set_to_none=True)
+            xr = x.clone().requires_grad_()
+            with torch.autocast("cuda", torch.bfloat16):
+                y = fn(xr)
+            y.backward(g)
+            out = [y.detach().clone(), xr.grad.clone()] + [p.grad.clone() for p in m.parameters()]
+        return out, fn, x
+
+    compile_mode = {"eager": None, "compiled": "default", "cudagraphs": "reduce-overhead"}[mode]
+    ref, _, _ = run(make_recipe("hybrid"), compile_mode)
+    got, fn, x = run(make_recipe("hybrid", deep_gemm=True), compile_mode)
+    for a, b in zip(got, ref):
+        assert torch.equal(a, b)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        with torch.autocast("cuda", torch.bfloat16):
+            fn(x.clone().requires_grad_()).float().sum().backward()
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert any("fp8_gemm_1d2d" in n for n in names), sorted(set(names))[:20]

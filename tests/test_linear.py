@@ -288,3 +288,40 @@ def test_high_precision_operands_and_emulate_flag():
     assert sqnr(results["output only"][1].float(), plain[1].float()) > 45  # BF16 grad_input
     assert sqnr(results["output only"][2].float(), plain[2].float()) > 45  # BF16 grad_weight
     assert not torch.equal(results["output only"][0], ref[0].to(results["output only"][0].dtype))
+
+
+def test_deep_gemm_knob_routes_only_cublas_tile_block_gemms(monkeypatch):
+    """The recipe's `deep_gemm` travels in the plan key; it is set only where the GEMMs run on cuBLAS (the
+    emulation ignores it: the same numbers on the CPU), and on cuBLAS it sends exactly the tile x block GEMMs
+    with BF16 output (output, grad_input) to DeepGEMM, with the operands in DeepGEMM's NT layout."""
+    r = make_recipe("hybrid", deep_gemm=True)
+    assert r.deep_gemm and not make_recipe("hybrid").deep_gemm and make_recipe(r, deep_gemm=False) == make_recipe("hybrid")
+    on, off = LinearPlan.of(r, cublas=True), LinearPlan.of(r, cublas=False)
+    assert on.deep_gemm and not off.deep_gemm and LinearPlan.parse(on.key) == on and LinearPlan.parse(off.key) == off
+    assert LinearPlan.of(make_recipe("hybrid"), cublas=False) == off  # emulated: the knob changes nothing
+
+    calls = []
+
+    class FakeDeepGemm:  # records the call instead of launching a kernel (no GPU here)
+        @staticmethod
+        def fp8_gemm_nt(a, b, out):
+            calls.append((a[0].shape, a[1].shape, a[1].stride(), b[0].shape, b[1].shape, out.dtype))
+            out.zero_()
+
+    monkeypatch.setattr(ops, "load_deep_gemm", lambda: FakeDeepGemm)
+    x = torch.randn(256, 512) * torch.logspace(-2, 2, 512)
+    xa, xa_s, *_ = ops.quantize_input(x, on, make_cols=False)
+    w, w_s = ops.quantize_weight(torch.randn(384, 512), on.w, True, False, False)
+    out = ops._deep_gemm_op(xa, xa_s.t(), w, w_s)  # what `gemm` calls for this pair
+    assert out.shape == (256, 384) and out.dtype == torch.bfloat16
+    assert calls == [((256, 512), (256, 4), (1, 256), (384, 512), (3, 4), torch.bfloat16)]
+
+
+def test_deep_gemm_missing_is_one_clear_error():
+    import importlib.util
+
+    if importlib.util.find_spec("deep_gemm") is not None:
+        pytest.skip("DeepGEMM is installed here")
+    ops.load_deep_gemm.cache_clear()
+    with pytest.raises(ValueError, match="config key 'deep_gemm' is true but DeepGEMM does not import"):
+        ops.load_deep_gemm()

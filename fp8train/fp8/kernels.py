@@ -15,11 +15,16 @@ Padded regions (Kp, Mp: contraction lengths rounded up for cuBLAS) hold zeros wi
 Why the kernels are cheap per element (they must stream at memory speed, ~4 TB/s on an H200):
 - amax and "holds a NaN" come from one integer max over the bit patterns of |x|: those order like the
   magnitudes, and every NaN pattern lies above +Inf's;
-- with power-of-two scales (the default) quantizing an activation is a multiply by the exact reciprocal
-  2^-e (made by exponent arithmetic on the 1-D scales), which rounds exactly like the reference's
-  division, and |x * 2^-e| <= fmt.max needs no clamp (the scale is at least amax / fmt.max: a quotient
-  that rounds down onto a power of two is not an FP32 amax / 448 or / 57344). Exact FP32 scales, and the
-  weight kernel (see there), keep the IEEE division and the clamp, as the reference;
+- quantizing multiplies by the block's reciprocal, made once per block on the scales, rather than
+  dividing each element (an IEEE division is a multi-instruction sequence on the GPU: too slow per
+  element). With power-of-two scales (the default) the reciprocal is the exact 2^-e (exponent
+  arithmetic), so x * 2^-e is exactly x / 2^e, and |x * 2^-e| <= fmt.max needs no clamp (the scale is at
+  least amax / fmt.max: a quotient that rounds down onto a power of two is not an FP32 amax / 448 or
+  / 57344). Exact FP32 scales multiply by the correctly rounded reciprocal RN(1 / s) (one `div_rn` per
+  block), as the reference does (`quant.reciprocal`; its clamp changes nothing, see `_quant`):
+  x * RN(1 / s) differs from RN(x / s) only where the two straddle an FP8 rounding boundary, which is rare,
+  and CPU and GPU stay bit-identical because both make the same IEEE multiply. Only the weight kernel still divides each element, for
+  power-of-two scales (exact, so the same numbers; see there);
 - a BF16 tile stays BF16 in registers (amax on its 16-bit patterns) and is widened only for the multiply:
   half the registers, so two programs fit on an SM and one's loads overlap the other's arithmetic.
 
@@ -79,25 +84,31 @@ def _scale_from_amax_bits(amax_bits, FMT_MAX: tl.constexpr, POW2: tl.constexpr):
 @triton.jit
 def _inverse(s, POW2: tl.constexpr):
     """Per-block multiplier for `_quant`, made on the 1-D scales: 2^-e for a power-of-two scale 2^e
-    (exponent arithmetic, exact: e stays within [-126, 127]), 0 for Inf, NaN for NaN; exact scales divide."""
+    (exponent arithmetic, exact: e stays within [-126, 127]), 0 for Inf, NaN for NaN; for exact scales the
+    correctly rounded RN(1 / s), as `quant.reciprocal` (IEEE division: 1/Inf = 0, 1/NaN = NaN)."""
     if POW2:
         bits = s.to(tl.int32, bitcast=True)
         inv = ((254 << 23) - bits).to(tl.float32, bitcast=True)
         inv = tl.where(bits == _INF_BITS, 0.0, inv)
         return tl.where(s != s, s, inv)
-    return s
+    return tl.div_rn(1.0, s)  # one IEEE division per scale (plain `/` is approximate)
 
 
 @triton.jit
-def _quant(x, s, inv, FMT_MAX: tl.constexpr, POW2: tl.constexpr):
-    """x / s in FP32, within the format's range: the value the store converts to the output's dtype."""
-    x = x.to(tl.float32)
-    if POW2:
-        # x * 2^-e rounds exactly as x / 2^e; Inf scale -> 0 (Inf/NaN elements -> NaN), NaN -> NaN
-        return x * inv
-    q = tl.div_rn(x, s)  # IEEE-rounded, as torch's x / scale (plain `/` is approximate)
+def _clip(q, FMT_MAX: tl.constexpr):
+    """q within +-FMT_MAX; NaN stays NaN, as torch.clamp keeps it."""
     clipped = tl.minimum(tl.maximum(q, -FMT_MAX), FMT_MAX)
-    return tl.where(q != q, q, clipped)  # NaN stays NaN, as torch.clamp keeps it
+    return tl.where(q != q, q, clipped)
+
+
+@triton.jit
+def _quant(x, inv):
+    """x * inv (`_inverse` of the scale) in FP32: the value the store converts to the output's dtype. Inf
+    scale -> inv 0 (finite elements -> 0, Inf/NaN elements -> NaN), NaN -> NaN. No clamp: with a power-of-two
+    scale x * 2^-e is exactly x / 2^e, within +-fmt.max; with an exact one s = RN(amax / fmt.max) (at least
+    FP32_TINY, so RN(1 / s) is finite) puts |x * RN(1 / s)| within fmt.max * (1 + 2^-22), which the store's
+    conversion rounds to +-fmt.max exactly as the reference's clamp-then-cast does."""
+    return x.to(tl.float32) * inv
 
 
 @triton.jit
@@ -124,13 +135,13 @@ def _act_kernel(
     if COLS:
         s_c = _scale_from_amax_bits(_amax_bits(ax, 0, BF16), COL_MAX, POW2)  # one per (feature, 128 tokens)
 
-    q_r = _quant(x, s_r[:, None], _inverse(s_r, POW2)[:, None], ROW_MAX, POW2)
+    q_r = _quant(x, _inverse(s_r, POW2)[:, None])
     tl.store(qr_ptr + offs_m[:, None] * Kp + offs_k[None, :], q_r.to(qr_ptr.dtype.element_ty),
              mask=in_m[:, None] & (offs_k < Kp)[None, :])
     tl.store(sr_ptr + pid_k * M + offs_m, s_r, mask=in_m & (pid_k * BLOCK < Kp))
 
     if COLS:  # the cols copy is stored transposed, [K, Mp]
-        q_c = _quant(x, s_c[None, :], _inverse(s_c, POW2)[None, :], COL_MAX, POW2).to(qc_ptr.dtype.element_ty)
+        q_c = _quant(x, _inverse(s_c, POW2)[None, :]).to(qc_ptr.dtype.element_ty)
         tl.store(qc_ptr + offs_k[:, None] * Mp + offs_m[None, :], tl.trans(q_c),
                  mask=in_k[:, None] & (offs_m < Mp)[None, :])
         tl.store(sc_ptr + pid_m * K + offs_k, s_c, mask=in_k & (pid_m * BLOCK < Mp))
@@ -155,9 +166,14 @@ def _weight_kernel(
     if not BF16:
         w = w.to(tl.float32)
     s = _scale_from_amax_bits(tl.max(_amax_bits(_abs_bits(w, BF16), 1, BF16), axis=0), FMT_MAX, POW2)
-    # IEEE division also for power-of-two scales (exact, the same numbers as the multiply): with the multiply
-    # the transposed store below came out wrong on the H200 (Triton 3.6; seen 2026-12-02, cause not found).
-    q = _quant(w, s, s, FMT_MAX, False).to(q_ptr.dtype.element_ty)
+    if POW2:
+        # IEEE division for power-of-two scales (exact, the same numbers as the multiply): with the multiply by
+        # 2^-e the transposed store below came out wrong on the H200 (Triton 3.6; seen 2026-12-02, cause not
+        # found). Exact scales multiply by RN(1 / s), one division per block, as the reference.
+        q = _clip(tl.div_rn(w.to(tl.float32), s), FMT_MAX)
+    else:
+        q = _quant(w, _inverse(s, False))
+    q = q.to(q_ptr.dtype.element_ty)
     if TRANSPOSE:  # block (n, k) of W is block (k, n) of W.T: same data transposed, same scale
         tl.store(q_ptr + offs_k[:, None] * ld_q + offs_n[None, :], tl.trans(q),
                  mask=in_k[:, None] & (offs_n < ld_q)[None, :])

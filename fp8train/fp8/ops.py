@@ -56,7 +56,7 @@ except ImportError:  # no triton (CPU-only installs): the reference path is used
 
 __all__ = ["OperandSpec", "LinearPlan", "Route", "gemm_route", "contraction_pad", "gemm", "quantize_operand",
            "dequantize_operand", "pad_operand", "quantize_input", "quantize_weight", "weight_transposes", "transpose_weight",
-           "linear_forward", "linear_backward", "reference_fp8_linear"]
+           "linear_forward", "linear_backward", "reference_fp8_linear", "load_deep_gemm"]
 
 # cuBLAS blockwise GEMMs need the number of 128-blocks along the contraction to be a multiple of 4
 # (K=8960 -> 70 blocks is refused or silently wrong): contractions are padded to 512 with zero data, scale 1.
@@ -153,6 +153,7 @@ class LinearPlan:
     pow2: bool
     cublas: bool
     x_t_from_fp8: bool
+    deep_gemm: bool = False  # tile x block GEMMs (output, grad_input) on DeepGEMM's SM90 kernel (with cublas)
 
     @classmethod
     def of(cls, recipe: Fp8Recipe, cublas: bool) -> "LinearPlan":
@@ -161,12 +162,13 @@ class LinearPlan:
         spec = lambda cfg, gemm: OperandSpec(cfg.fmt, cfg.block, pads[gemm])  # noqa: E731
         return cls(spec(r.output.a, "output"), spec(r.output.b, "output"), spec(r.grad_input.a, "grad_input"),
                    spec(r.grad_input.b, "grad_input"), spec(r.grad_weight.a, "grad_weight"),
-                   spec(r.grad_weight.b, "grad_weight"), r.pow2_scale, cublas, r.wgrad_input_from_fp8)
+                   spec(r.grad_weight.b, "grad_weight"), r.pow2_scale, cublas, r.wgrad_input_from_fp8,
+                   r.deep_gemm and cublas)
 
     @property
     def key(self) -> str:
         specs = ",".join(getattr(self, f).key for f in _PLAN_FIELDS)
-        return f"{specs};{int(self.pow2)}{int(self.cublas)}{int(self.x_t_from_fp8)}"
+        return f"{specs};{int(self.pow2)}{int(self.cublas)}{int(self.x_t_from_fp8)}{int(self.deep_gemm)}"
 
     @staticmethod
     def parse(key: str) -> "LinearPlan":
@@ -314,8 +316,10 @@ def gemm_route(a: OperandSpec, b: OperandSpec) -> Route:
 
 
 def gemm(a: Tensor, a_scale: Tensor, a_spec: OperandSpec, b: Tensor, b_scale: Tensor, b_spec: OperandSpec,
-         out_dtype: torch.dtype, cublas: bool) -> Tensor:
-    """a [Ra, C] @ b [Rb, C].T with FP32 accumulation, in out_dtype (the one GEMM of fp8train)."""
+         out_dtype: torch.dtype, cublas: bool, deep_gemm: bool = False) -> Tensor:
+    """a [Ra, C] @ b [Rb, C].T with FP32 accumulation, in out_dtype (the one GEMM of fp8train). `deep_gemm`:
+    a tile x block pair with BF16 output runs on DeepGEMM's SM90 kernel instead of cuBLAS's (the same
+    products, measured bit-identical; faster at the 7B shapes, docs/benchmarks.md)."""
     route = gemm_route(a_spec, b_spec) if cublas else Route.EMULATED
     if route is Route.EMULATED or a.shape[0] % 16 or b.shape[0] % 16:
         # the same function on any device: an FP32 product even under an ambient autocast (a backward run
@@ -325,6 +329,10 @@ def gemm(a: Tensor, a_scale: Tensor, a_spec: OperandSpec, b: Tensor, b_scale: Te
     ST = F.ScalingType
     a, b = a.contiguous(), b.contiguous()
     # mat_a a [Ra, C] row-major; mat_b b.t() [C, Rb] column-major (strides (1, C))
+    if route is Route.TILE_BLOCK and deep_gemm and out_dtype is torch.bfloat16 and b.shape[0] % 128 == 0:
+        # DeepGEMM's NT kernel: a [Ra, C] and b [Rb, C] K-major; scale_a as (Ra, C/128) strides (1, Ra) (its
+        # MN-major, TMA-aligned LHS layout: Ra % 16 == 0 here); scale_b [Rb/128, C/128] row-major as it is
+        return _deep_gemm_op(a, a_scale.contiguous().t(), b, b_scale.contiguous())
     if route is Route.TILE_BLOCK:
         # scale_a [C/128, Ra].t(): (Ra, C/128) strides (1, Ra); scale_b [Rb/128, C/128].t(): strides (1, C/128)
         return _scaled_mm(a, b.t(), a_scale.contiguous().t(), ST.BlockWise1x128, b_scale.contiguous().t(),
@@ -366,6 +374,30 @@ def _(a, b, scale_a, recipe_a, scale_b, recipe_b, out_dtype):
     return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
 
 
+@functools.cache
+def load_deep_gemm():
+    """The `deep_gemm` module, or a ValueError naming the recipe key and the install."""
+    try:
+        import deep_gemm
+    except ImportError as e:
+        raise ValueError(f"config key 'deep_gemm' is true but DeepGEMM does not import ({e}); build it from "
+                         "github.com/deepseek-ai/DeepGEMM as docs/benchmarks.md says, or set deep_gemm: false") from None
+    return deep_gemm
+
+
+@torch.library.custom_op("fp8train::deep_gemm", mutates_args=())
+def _deep_gemm_op(a: Tensor, scale_a: Tensor, b: Tensor, scale_b: Tensor) -> Tensor:
+    """D [Ra, Rb] = (a * scale_a) @ (b * scale_b).T in BF16 on DeepGEMM (1x128 tiles x 128x128 blocks)."""
+    out = a.new_empty((a.shape[0], b.shape[0]), dtype=torch.bfloat16)
+    load_deep_gemm().fp8_gemm_nt((a, scale_a), (b, scale_b), out)
+    return out
+
+
+@_deep_gemm_op.register_fake
+def _(a, scale_a, b, scale_b):
+    return a.new_empty((a.shape[0], b.shape[0]), dtype=torch.bfloat16)
+
+
 # ------------------------------------------------------------ forward and backward of one FP8 Linear
 
 def _quantize_input_impl(x: Tensor, plan: str, make_cols: bool, kernels: bool = True) -> tuple[Tensor, ...]:
@@ -380,7 +412,7 @@ def _forward_impl(x_rows: Tensor, x_rows_scale: Tensor, weight: Tensor, w: Tenso
     p = LinearPlan.parse(plan)
     if w is None:
         w, w_scale = quantize_weight(weight, p.w, p.pow2, False, p.cublas)
-    return gemm(x_rows, x_rows_scale, p.x, w, w_scale, p.w, out_dtype, p.cublas)
+    return gemm(x_rows, x_rows_scale, p.x, w, w_scale, p.w, out_dtype, p.cublas, p.deep_gemm)
 
 
 def _backward_impl(dy: Tensor, weight: Tensor, w: Tensor | None, w_scale: Tensor | None, x_saved: Tensor | None,
@@ -396,7 +428,7 @@ def _backward_impl(dy: Tensor, weight: Tensor, w: Tensor | None, w_scale: Tensor
         w_t = transpose_weight(w, w_scale, p, weight.shape[1]) if w is not None else None
         w_t = w_t or quantize_weight(weight, p.w_t, p.pow2, True, p.cublas)
         # grad_input: dx [M, K] = dy [M, Np] @ W.T [K, Np].T
-        dx = gemm(g, g_scale, p.g, *w_t, p.w_t, dx_dtype, p.cublas)
+        dx = gemm(g, g_scale, p.g, *w_t, p.w_t, dx_dtype, p.cublas, p.deep_gemm)
     if want_dw:
         if p.x_t_from_fp8:  # dequantize the saved rows, transpose, re-quantize (DeepSeek-V3)
             rows = dequantize_operand(x_saved, x_saved_scale, p.x)[:, : weight.shape[1]]

@@ -5,9 +5,15 @@ Convention, used everywhere in fp8train: `scale` is the dequantize multiplier,
     x ~ data.float() * scale        (per block),        scale = amax(block) / fmt.max
 
 computed just in time from the tensor itself, rounded up to a power of two by default (so dividing by
-it is exact in binary). An all-zero block gets scale 1. A block that holds NaN or +-Inf gets a
-non-finite scale and dequantizes to NaN everywhere: non-finite values are never clipped into finite
-ones, so a diverging run shows NaN rather than silently wrong numbers.
+it is exact in binary). Quantizing multiplies each element by the block's correctly rounded FP32
+reciprocal RN(1 / scale), one IEEE division per block, not one per element (the GPU kernels do the same:
+there a division is a slow instruction sequence). For a power-of-two scale that is exactly x / scale; for
+an exact scale it differs from RN(x / scale) only where the two straddle an FP8 rounding boundary
+(rare), and CPU and GPU agree bit for bit since both make the same IEEE multiply.
+
+An all-zero block gets scale 1. A block that holds NaN or +-Inf gets a non-finite scale and dequantizes
+to NaN everywhere: non-finite values are never clipped into finite ones, so a diverging run shows NaN
+rather than silently wrong numbers.
 
 Blocks are (rows, cols) over the input viewed as 2-D rows: an N-D tensor is flattened to
 [prod(shape[:-1]), shape[-1]], a 1-D tensor is one row. A block dimension of -1 spans the whole
@@ -16,7 +22,7 @@ ragged (the shape need not be a multiple of the block).
 
 Public: `quantize`, `dequantize`, `Fp8Tensor`. For the rest of fp8train.fp8 (kernels.py is checked against
 these bit for bit): `compute_scale`, `quantize_2d` (a 2-D tensor and a resolved block, no checks),
-`resolve_block`, `expand_scale`, `round_up`, `FP32_TINY`.
+`reciprocal`, `resolve_block`, `expand_scale`, `round_up`, `FP32_TINY`.
 """
 
 from __future__ import annotations
@@ -106,11 +112,19 @@ def quantize(
     return Fp8Tensor(data.reshape(x.shape), scale, block, fmt)
 
 
+def reciprocal(scale: torch.Tensor) -> torch.Tensor:
+    """The quantize multiplier of each block, RN(1 / scale): 2^-e exactly for a power-of-two scale 2^e,
+    0 for an Inf scale (finite values -> 0, Inf -> NaN, as x / Inf), NaN for NaN."""
+    # a tensor divided by a tensor, IEEE on CPU and CUDA alike (a Python-scalar numerator would let CUDA use
+    # an approximate reciprocal)
+    return torch.ones_like(scale) / scale
+
+
 def quantize_2d(x: torch.Tensor, block, fmt: Fp8Format, pow2_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
     xf = x.float()
     if block is None:
         scale = compute_scale(xf.abs().amax(), fmt, pow2_scale)
-        return (xf / scale).clamp(-fmt.max, fmt.max).to(fmt.dtype).contiguous(), scale
+        return (xf * reciprocal(scale)).clamp(-fmt.max, fmt.max).to(fmt.dtype).contiguous(), scale
     R, C = xf.shape
     br, bc = block
     nr, nc = -(-R // br), -(-C // bc)
@@ -120,7 +134,7 @@ def quantize_2d(x: torch.Tensor, block, fmt: Fp8Format, pow2_scale: bool) -> tup
     if R == 0 or C == 0:
         amax = torch.zeros(nr, nc, device=x.device)
     scale = compute_scale(amax, fmt, pow2_scale)
-    q = (blocks / scale[:, None, :, None]).clamp(-fmt.max, fmt.max).to(fmt.dtype)
+    q = (blocks * reciprocal(scale)[:, None, :, None]).clamp(-fmt.max, fmt.max).to(fmt.dtype)
     q = q.view(nr * br, nc * bc)
     return (q if q.shape == (R, C) else q[:R, :C]).contiguous(), scale  # row-major whatever x's layout
 

@@ -118,10 +118,14 @@ class TrainConfig:
     """FP8 recipe of the decoder Linears: `hybrid` (InfiR2: 1x128 activations, 128x128 weights), or `bf16`."""
     pow2_scale: bool = True
     """Round FP8 scales to powers of two (exact in binary; the paper's default). false: exact scales, which cut
-    the FP8 loss gap by 40-48% on SmolLM2-135M at 13% less throughput there (docs/fidelity.md)."""
+    the FP8 loss gap by 40-48% on SmolLM2-135M (docs/fidelity.md) for 1.4-1.7% of step time at Qwen2.5-7B."""
     swiglu_inputs_fp8: bool = False
     """Save the MLP's SwiGLU inputs (gate and up outputs) for backward as FP8 1x128 tiles instead of BF16:
     less activation memory, the backward's SwiGLU derivative from FP8-rounded values (docs/fidelity.md)."""
+    deep_gemm: bool = False
+    """Run the hybrid recipe's output and grad_input GEMMs on DeepGEMM's SM90 kernel instead of cuBLAS's: the
+    same numbers, 2% faster steps at Qwen2.5-7B, 5% for LoRA (docs/benchmarks.md section 0a, which says how to
+    build DeepGEMM). Ignored on the CPU."""
     bf16_layers: list[int] = field(default_factory=list)
     """Decoder layers kept entirely in BF16 (indices; -1 is the last), e.g. [0, 1, -2, -1]: the first and last
     two, where the FP8 forward error concentrates on small models (docs/fidelity.md)."""

@@ -25,6 +25,7 @@ from torch import nn
 from ..data import GlobalBatchSampler, build_cpt_datasets, build_sft_datasets, collate, rank_slice
 from ..fp8.convert import cache_fp8_weights, convert_to_fp8, freeze_fp8_weights
 from ..fp8.health import track_fp8_health
+from ..fp8.ops import load_deep_gemm
 from ..fp8.recipe import make_recipe
 from ..export import export_hf
 from ..threads import cpu_threads
@@ -116,6 +117,8 @@ class Trainer:
         self.run_dir = Path(cfg.run_dir)
         self.ckpt_root = self.run_dir / "checkpoints"
         self.device = _pick_device(cfg.device)
+        if cfg.deep_gemm and self.device.type == "cuda":
+            load_deep_gemm()  # a missing DeepGEMM fails here, before anything is built or written
         self.dtype = torch.bfloat16
         _check_run_dir(self.run_dir)
         self._resume_plan = plan_resume(cfg)  # refuses, before anything is built or written, the wrong run
@@ -137,7 +140,8 @@ class Trainer:
         self.total_steps = self._total_steps()
 
         self.model.to(self.device)
-        recipe = make_recipe(cfg.recipe, pow2_scale=cfg.pow2_scale, swiglu_inputs_fp8=cfg.swiglu_inputs_fp8)
+        recipe = make_recipe(cfg.recipe, pow2_scale=cfg.pow2_scale, swiglu_inputs_fp8=cfg.swiglu_inputs_fp8,
+                             deep_gemm=cfg.deep_gemm)
         self.fp8_report = convert_to_fp8(self.model, recipe, bf16_layers=cfg.bf16_layers)
         self.model = apply_lora(self.model, cfg.model.lora, sharded=self.world.sharded)  # after FP8: base = FP8Linear
         parallelize_model(self.model, activation_checkpointing=cfg.train.activation_checkpointing,

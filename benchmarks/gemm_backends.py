@@ -1,0 +1,148 @@
+"""The three blockwise FP8 GEMMs on cuBLAS (`scaled_mm`) against DeepGEMM's SM90 kernels (one GPU, one process).
+
+    PYTHONPATH=. python benchmarks/gemm_backends.py [--tokens 8192] [--models 7b 1.5b] [--out gemms.jsonl]
+
+Operands are made by fp8train's own quantization kernels for the hybrid recipe, exactly as training makes
+them (layouts, padding, power-of-two scales), from random BF16 tensors with a few large channels. For each
+projection shape of a model and each GEMM:
+  output       y  [M, N] = x [M, K] @ W [N, K].T             1x128 tiles . 128x128 blocks, BF16 out
+  grad_input   dx [M, K] = dy [M, N] @ W.T [K, N].T          1x128 tiles . 128x128 blocks, BF16 out
+  grad_weight  dW [N, K] = dy.T [N, M] @ x.T [K, M].T        1x128 tiles . 1x128 tiles (along tokens), FP32 out
+it times both backends with CUDA events (median after warm-up), checks each against the FP32 product of the
+dequantized operands (SQNR in dB) and whether the two agree bit for bit. output and grad_input go through
+`ops.gemm(..., deep_gemm=True)`, the route training takes with the recipe's `deep_gemm`; DeepGEMM's
+grad_weight kernel, which training does not use, accumulates into an FP32 C (D = C + A B): timed with
+C = D = a zeroed buffer, the zeroing timed apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+from fp8train.fp8 import ops
+from fp8train.fp8.recipe import make_recipe
+
+SHAPES = {  # (N, K) = (out_features, in_features)
+    "1.5b": {"q/o": (1536, 1536), "k/v": (256, 1536), "gate/up": (8960, 1536), "down": (1536, 8960)},
+    "7b": {"q/o": (3584, 3584), "k/v": (512, 3584), "gate/up": (18944, 3584), "down": (3584, 18944)},
+}
+
+
+_PER_LAYER = {"q/o": 2, "k/v": 2, "gate/up": 2, "down": 1}  # projections of each shape in a decoder layer
+
+
+def _ms(fn) -> float:
+    import triton.testing  # GPU machines only: the table below is also read on the CPU
+
+    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+
+
+def _sqnr(ref: torch.Tensor, out: torch.Tensor) -> float:
+    err = (out.double() - ref.double()).pow(2).sum()
+    return float(10 * torch.log10(ref.double().pow(2).sum() / err.clamp_min(1e-300)))
+
+
+def _operands(M: int, N: int, K: int, plan: ops.LinearPlan) -> dict:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(M, K, device="cuda", generator=g).mul_(0.5)
+    x[:, :: max(1, K // 8)] *= 40.0  # a few massive channels, as real residual streams have
+    w = torch.randn(N, K, device="cuda", generator=g).mul_(K ** -0.5)
+    dy = torch.randn(M, N, device="cuda", generator=g).mul_(1e-3)
+    x, w, dy = x.bfloat16(), w.bfloat16(), dy.bfloat16()
+    xa, xa_s, xt, xt_s = ops.quantize_input(x, plan, make_cols=True)
+    ga, ga_s, gt, gt_s = ops.quantize_input(dy, plan, make_cols=True)  # grad_output: the same kernel and specs
+    wo, wo_s = ops.quantize_weight(w, plan.w, plan.pow2, False, True)
+    wt, wt_s = ops.quantize_weight(w, plan.w_t, plan.pow2, True, True)
+    return {"output": (xa, xa_s, plan.x, wo, wo_s, plan.w, torch.bfloat16),
+            "grad_input": (ga, ga_s, plan.g, wt, wt_s, plan.w_t, torch.bfloat16),
+            "grad_weight": (gt, gt_s, plan.g_t, xt, xt_s, plan.x_t, torch.float32)}
+
+
+def _deep_gemm_tile_tile(dg, a, a_s, b, b_s, out: torch.Tensor) -> torch.Tensor:
+    """grad_weight on DeepGEMM's 1x128 . 1x128 kernel, which fp8train does not route (cuBLAS is faster there):
+    D = C + A @ B.T with C = D (`out`, zeroed by the caller); 1x128 scales stored [C/128, rows], handed over as
+    their (rows, C/128) transpose view (strides (1, rows)), the MN-major layout the SM90 kernels read."""
+    dg.fp8_gemm_nt((a, a_s.t()), (b, b_s.t()), out, c=out, recipe=(1, 1, 128))
+    return out
+
+
+def bench(dg, model: str, M: int) -> list[dict]:
+    plan = ops.LinearPlan.of(make_recipe("hybrid"), cublas=True)
+    rows = []
+    for name, (N, K) in SHAPES[model].items():
+        for gemm, (a, a_s, a_spec, b, b_s, b_spec, out_dtype) in _operands(M, N, K, plan).items():
+            with torch.no_grad():
+                ref = ops.dequantize_operand(a, a_s, a_spec) @ ops.dequantize_operand(b, b_s, b_spec).t()
+            cublas = lambda: ops.gemm(a, a_s, a_spec, b, b_s, b_spec, out_dtype, True)  # noqa: E731
+            flops = 2 * ref.shape[0] * ref.shape[1] * a.shape[1]  # the padded contraction, as both run it
+            r = {"model": model, "shape": name, "gemm": gemm, "M": ref.shape[0], "N": ref.shape[1], "K": a.shape[1],
+                 "cublas_ms": _ms(cublas), "cublas_sqnr": _sqnr(ref, cublas())}
+            if dg is not None:
+                if gemm == "grad_weight":
+                    out = torch.zeros(ref.shape, device="cuda", dtype=out_dtype)
+                    deep = lambda: _deep_gemm_tile_tile(dg, a, a_s, b, b_s, out.zero_())  # noqa: E731
+                    r["zero_ms"] = _ms(lambda: out.zero_())
+                else:  # the route training takes with the recipe's deep_gemm
+                    deep = lambda: ops.gemm(a, a_s, a_spec, b, b_s, b_spec, out_dtype, True, deep_gemm=True)  # noqa: E731
+                res = deep().clone()
+                r["deepgemm_sqnr"] = _sqnr(ref, res)
+                r["deepgemm_bit_identical"] = bool(torch.equal(res, cublas()))
+                r["deepgemm_ms"] = _ms(deep)
+            for key in ("cublas", "deepgemm"):
+                if f"{key}_ms" in r:
+                    r[f"{key}_tflops"] = flops / r[f"{key}_ms"] / 1e9
+            rows.append(r)
+            print(json.dumps(r), flush=True)
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    out = ["| model | shape | GEMM | M x N x K | cuBLAS ms | TFLOP/s | DeepGEMM ms | TFLOP/s | speed-up | SQNR dB cuBLAS / DeepGEMM | bit-identical |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        dg = r.get("deepgemm_ms")
+        deep = (f"{dg:.3f} | {r['deepgemm_tflops']:.0f} | {r['cublas_ms'] / dg:.3f}" if dg else "- | - | -")
+        out.append(f"| {r['model']} | {r['shape']} | {r['gemm']} | {r['M']} x {r['N']} x {r['K']} | {r['cublas_ms']:.3f} | "
+                   f"{r['cublas_tflops']:.0f} | {deep} | {r['cublas_sqnr']:.1f} / {r.get('deepgemm_sqnr', math.nan):.1f} | "
+                   f"{r.get('deepgemm_bit_identical', '-')} |")
+    for model in dict.fromkeys(r["model"] for r in rows):
+        sel = [r for r in rows if r["model"] == model and "deepgemm_ms" in r]
+        if sel:  # one decoder layer: each shape as many times as the layer has it
+            layer = lambda pick: sum(_PER_LAYER[r["shape"]] * pick(r) for r in sel)  # noqa: E731
+            cublas = layer(lambda r: r["cublas_ms"])
+            routed = layer(lambda r: r["cublas_ms"] if r["gemm"] == "grad_weight" else r["deepgemm_ms"])
+            out.append(f"\n{model}, one decoder layer's 21 GEMMs: cuBLAS {cublas:.2f} ms; with `deep_gemm` (output "
+                       f"and grad_input on DeepGEMM) {routed:.2f} ms ({cublas / routed:.3f}x); all on DeepGEMM "
+                       f"{layer(lambda r: r['deepgemm_ms']):.2f} ms")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", type=int, default=8192)
+    p.add_argument("--models", nargs="+", default=["7b", "1.5b"], choices=sorted(SHAPES))
+    p.add_argument("--out", type=Path)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("gemm_backends.py: no CUDA device", file=sys.stderr)
+        return 2
+    try:
+        import deep_gemm as dg
+    except ImportError as e:
+        print(f"gemm_backends.py: deep_gemm not importable ({e}); timing cuBLAS only", file=sys.stderr)
+        dg = None
+    rows = [r for model in args.models for r in bench(dg, model, args.tokens)]
+    print(table(rows))
+    if args.out:
+        args.out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -174,7 +174,8 @@ def test_resume_refuses_a_changed_trajectory_and_writes_nothing(tmp_path, byte_t
     assert _snapshot(run_dir) == before  # config.yaml, metrics.jsonl, checkpoints, final/: untouched
 
     longer = Trainer(tiny_config(tmp_path, byte_tokenizer, corpus, **{**_SHORT, "train.steps": 3, "train.log_every": 2,
-                                                                       "model.lora.offload_base": "false"}), progress=False)
+                                                                       "model.lora.offload_base": "false",
+                                                                       "deep_gemm": "true"}), progress=False)
     assert longer.step == 2
     assert "config changed since" in capsys.readouterr().out  # recorded in the log
     assert sorted(longer.fit().losses) == [3]

@@ -356,3 +356,27 @@ def test_bf16_layers_config_key(tmp_path, byte_tokenizer, corpus):
     assert "bf16_layers: decoder layers [1]" in str(trainer.fp8_report)
     with pytest.raises(ValueError, match="bf16_layers: 2 is not a decoder layer index of a 2-layer model"):
         Trainer(tiny_config(tmp_path / "b", byte_tokenizer, corpus, bf16_layers="[2]"), progress=False)
+
+
+def test_deep_gemm_config_key(tmp_path, byte_tokenizer, corpus, monkeypatch):
+    """`deep_gemm: true` reaches every converted layer's recipe; on the CPU (emulated GEMMs) it is ignored, so
+    nothing needs DeepGEMM; on a CUDA device a missing DeepGEMM is one error naming the key, before anything
+    is built or written."""
+    from fp8train import FP8Linear
+    from fp8train.fp8 import ops
+    from fp8train.train import trainer as trainer_module
+
+    trainer = Trainer(tiny_config(tmp_path, byte_tokenizer, corpus, deep_gemm="true"), progress=False)
+    fp8 = [m for m in trainer.model.modules() if isinstance(m, FP8Linear)]
+    assert len(fp8) == 14 and all(m.recipe.deep_gemm for m in fp8)
+
+    def missing():
+        raise ValueError("config key 'deep_gemm' is true but DeepGEMM does not import (test)")
+
+    monkeypatch.setattr(trainer_module, "_pick_device", lambda name: torch.device("cuda"))
+    monkeypatch.setattr(trainer_module, "load_deep_gemm", missing)
+    run_dir = tmp_path / "cuda-run"
+    with pytest.raises(ValueError, match="config key 'deep_gemm' is true but DeepGEMM does not import"):
+        Trainer(tiny_config(tmp_path, byte_tokenizer, corpus, deep_gemm="true", run_dir=str(run_dir)), progress=False)
+    assert not run_dir.exists()
+    assert ops.load_deep_gemm is not missing  # the module's own function untouched

@@ -7,7 +7,7 @@
 convert to FP8 (the interpreter's own FP8 cast is wrong: it rounds 31.65 to 16; the GPU's cvt.rn.satfinite
 is checked on the device by tests/test_gpu.py) and every scale against the reference of fp8train.fp8.quant.
 `compile` builds the kernels for SM90 (ptxas ships with Triton) as the JIT would for aligned shapes and
-prints the register count and stack size of each launch the library uses. Prints one JSON line.
+prints the register count and stack size of each launch the library uses, with power-of-two and exact scales. Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -132,16 +132,17 @@ def compile_sm90() -> dict:
     w_sig.update(w_ptr="*fp32", N="i32", K="i32", stride_wn="i32", q_ptr="*fp8e4nv", ld_q="i32", s_ptr="*fp32",
                  ld_s="i32")
     out = {}
-    for cols in (True, False):
-        consts = dict(ROW_MAX=448.0, COL_MAX=448.0, POW2=True, COLS=cols, BF16=True, BLOCK=128)
-        k = triton.compile(ASTSource(tq._act_kernel, act_sig, consts, aligned), target=target,
-                           options={"num_warps": tq._NUM_WARPS})
-        out[f"activation cols={cols}"] = _resources(k)
-    for transpose in (False, True):
-        consts = dict(FMT_MAX=448.0, POW2=True, BF16=False, TRANSPOSE=transpose, BLOCK=128)
-        k = triton.compile(ASTSource(tq._weight_kernel, w_sig, consts, aligned), target=target,
-                           options={"num_warps": tq._NUM_WARPS})
-        out[f"weight transpose={transpose}"] = _resources(k)
+    for pow2 in (True, False):  # power-of-two scales (the default) and exact ones
+        for cols in (True, False):
+            consts = dict(ROW_MAX=448.0, COL_MAX=448.0, POW2=pow2, COLS=cols, BF16=True, BLOCK=128)
+            k = triton.compile(ASTSource(tq._act_kernel, act_sig, consts, aligned), target=target,
+                               options={"num_warps": tq._NUM_WARPS})
+            out[f"activation pow2={pow2} cols={cols}"] = _resources(k)
+        for transpose in (False, True):
+            consts = dict(FMT_MAX=448.0, POW2=pow2, BF16=False, TRANSPOSE=transpose, BLOCK=128)
+            k = triton.compile(ASTSource(tq._weight_kernel, w_sig, consts, aligned), target=target,
+                               options={"num_warps": tq._NUM_WARPS})
+            out[f"weight pow2={pow2} transpose={transpose}"] = _resources(k)
     return out
 
 

@@ -129,11 +129,19 @@ def _act_kernel(
                 mask=in_m[:, None] & in_k[None, :], other=0.0)  # BF16 stays BF16 until the multiply
     if not BF16:
         x = x.to(tl.float32)
-    # both amaxes first, so that the |x| bit patterns die before the quantized copies are made
+    # both amaxes first, so that the |x| bit patterns die before the quantized copies are made. Exact scales
+    # divide (scale and reciprocal): their scales are made only after |x| is dead, the cols' after the rows'
+    # store, which keeps the two-copy launch at 128 registers (168 in pow2's order, which stays as measured).
     ax = _abs_bits(x, BF16)
-    s_r = _scale_from_amax_bits(_amax_bits(ax, 1, BF16), ROW_MAX, POW2)  # one per (token, 128 features)
+    amax_r = _amax_bits(ax, 1, BF16)  # one per (token, 128 features)
+    if POW2:
+        s_r = _scale_from_amax_bits(amax_r, ROW_MAX, POW2)
     if COLS:
-        s_c = _scale_from_amax_bits(_amax_bits(ax, 0, BF16), COL_MAX, POW2)  # one per (feature, 128 tokens)
+        amax_c = _amax_bits(ax, 0, BF16)  # one per (feature, 128 tokens)
+        if POW2:
+            s_c = _scale_from_amax_bits(amax_c, COL_MAX, POW2)
+    if not POW2:
+        s_r = _scale_from_amax_bits(amax_r, ROW_MAX, POW2)
 
     q_r = _quant(x, _inverse(s_r, POW2)[:, None])
     tl.store(qr_ptr + offs_m[:, None] * Kp + offs_k[None, :], q_r.to(qr_ptr.dtype.element_ty),
@@ -141,6 +149,8 @@ def _act_kernel(
     tl.store(sr_ptr + pid_k * M + offs_m, s_r, mask=in_m & (pid_k * BLOCK < Kp))
 
     if COLS:  # the cols copy is stored transposed, [K, Mp]
+        if not POW2:
+            s_c = _scale_from_amax_bits(amax_c, COL_MAX, POW2)
         q_c = _quant(x, _inverse(s_c, POW2)[None, :]).to(qc_ptr.dtype.element_ty)
         tl.store(qc_ptr + offs_k[:, None] * Mp + offs_m[None, :], tl.trans(q_c),
                  mask=in_k[:, None] & (offs_m < Mp)[None, :])

@@ -6,7 +6,8 @@ The activation kernel reads x [M, K] (BF16) once and writes two FP8 copies plus 
 floor is (2 + 1 + 1) bytes per element at copy bandwidth; the weight kernel reads FP32 and writes two
 FP8 copies (4 + 1 + 1). Variants: the library's kernels at 4/8/16 warps, the rows-only launch (no
 backward), the same with exact FP32 scales (`pow2_scale: false`), a strip variant that loops over several
-128-feature tiles per program (software-pipelined loads), and `--legacy` (a copy of an older `_triton_quant.py`, for A/B in one process).
+128-feature tiles per program (software-pipelined loads), and `--legacy` (a copy of an older
+`_triton_quant.py`, for A/B in one process).
 """
 
 from __future__ import annotations
@@ -129,9 +130,14 @@ def main(argv=None) -> int:
         act["legacy"] = lambda x: legacy.quantize_tiles_and_transpose(x, E4M3, E4M3, True, 512)
     wgt = {f"w{w}": (lambda w_, w=w: (tq.quantize_blocks(w_, E4M3, True, 512, num_warps=w),
                                       tq.quantize_blocks(w_, E4M3, True, 512, True, num_warps=w))) for w in (4, 8, 16)}
-    wgt["w8 exact"] = lambda w_: (tq.quantize_blocks(w_, E4M3, False, 512), tq.quantize_blocks(w_, E4M3, False, 512, True))
+    wgt["w8 exact"] = lambda w_: (tq.quantize_blocks(w_, E4M3, False, 512),
+                                  tq.quantize_blocks(w_, E4M3, False, 512, True))
     if legacy is not None:
-        wgt["legacy"] = lambda w_: (lambda q, qt, s: ((q, s), (qt, s)))(*legacy.quantize_blocks_and_transpose(w_, E4M3, True, 512))
+        def legacy_weight(w_):  # the old kernel returned (W, W.T, scale)
+            q, qt, s = legacy.quantize_blocks_and_transpose(w_, E4M3, True, 512)
+            return (q, s), (qt, s)
+
+        wgt["legacy"] = legacy_weight
 
     rows = []
     for kind, shapes, variants, dtype, nbytes in (("activation", ACT_SHAPES, act, torch.bfloat16, 4),

@@ -89,7 +89,8 @@ def bench(dg, model: str, M: int) -> list[dict]:
                     deep = lambda: _deep_gemm_tile_tile(dg, a, a_s, b, b_s, out.zero_())  # noqa: E731
                     r["zero_ms"] = _ms(lambda: out.zero_())
                 else:  # the route training takes with the recipe's deep_gemm
-                    deep = lambda: ops.gemm(a, a_s, a_spec, b, b_s, b_spec, out_dtype, True, deep_gemm=True)  # noqa: E731
+                    deep = lambda: ops.gemm(a, a_s, a_spec, b, b_s, b_spec, out_dtype,  # noqa: E731
+                                            True, deep_gemm=True)
                 res = deep().clone()
                 r["deepgemm_sqnr"] = _sqnr(ref, res)
                 r["deepgemm_bit_identical"] = bool(torch.equal(res, cublas()))
@@ -103,14 +104,14 @@ def bench(dg, model: str, M: int) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    out = ["| model | shape | GEMM | M x N x K | cuBLAS ms | TFLOP/s | DeepGEMM ms | TFLOP/s | speed-up | SQNR dB cuBLAS / DeepGEMM | bit-identical |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    out = ["| model | shape | GEMM | M x N x K | cuBLAS ms | TFLOP/s | DeepGEMM ms | TFLOP/s | speed-up "
+           "| SQNR dB cuBLAS / DeepGEMM | bit-identical |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         dg = r.get("deepgemm_ms")
         deep = (f"{dg:.3f} | {r['deepgemm_tflops']:.0f} | {r['cublas_ms'] / dg:.3f}" if dg else "- | - | -")
-        out.append(f"| {r['model']} | {r['shape']} | {r['gemm']} | {r['M']} x {r['N']} x {r['K']} | {r['cublas_ms']:.3f} | "
-                   f"{r['cublas_tflops']:.0f} | {deep} | {r['cublas_sqnr']:.1f} / {r.get('deepgemm_sqnr', math.nan):.1f} | "
-                   f"{r.get('deepgemm_bit_identical', '-')} |")
+        out.append(f"| {r['model']} | {r['shape']} | {r['gemm']} | {r['M']} x {r['N']} x {r['K']} | "
+                   f"{r['cublas_ms']:.3f} | {r['cublas_tflops']:.0f} | {deep} | {r['cublas_sqnr']:.1f} / "
+                   f"{r.get('deepgemm_sqnr', math.nan):.1f} | {r.get('deepgemm_bit_identical', '-')} |")
     for model in dict.fromkeys(r["model"] for r in rows):
         sel = [r for r in rows if r["model"] == model and "deepgemm_ms" in r]
         if sel:  # one decoder layer: each shape as many times as the layer has it

@@ -65,8 +65,8 @@ from fp8train.train.trainer import Trainer
 ARMS = ("bf16", "hybrid")
 _TEXT_SUFFIXES = (".py", ".md", ".rst", ".txt")
 _DOC_BYTES = (200, 1 << 20)  # documents outside this size range are left out (stubs, generated tables)
-_BYTES_PER_TOKEN = 4.5  # generous for code and prose; the token cap cuts what is read beyond the need
-_LOOP_EFFICIENCY = 0.85  # training steps vs bare forward/backward: optimizer, clipping, per-step syncs
+BYTES_PER_TOKEN = 4.5  # generous for code and prose; the token cap cuts what is read beyond the need
+LOOP_EFFICIENCY = 0.85  # training steps vs bare forward/backward: optimizer, clipping, per-step syncs
 
 
 @dataclass(frozen=True)
@@ -123,7 +123,7 @@ SMOKE = Scale(seq_len=128, micro_batch=2, cpt_batch=4, sft_batch=4, cpt_lr=1e-3,
               min_steps=2, max_steps=4, min_corpus_tokens=100_000, run_overhead_s=3.0, eval_s=10.0, margin_s=3.0)
 
 
-class _Clock:
+class Clock:
     def __init__(self, budget_s: float):
         self.t0, self.budget_s = time.monotonic(), budget_s
 
@@ -134,7 +134,7 @@ class _Clock:
         return self.budget_s - self.elapsed()
 
 
-def _log(clock: _Clock, msg: str) -> None:
+def log_line(clock: Clock, msg: str) -> None:
     print(f"[fidelity {clock.elapsed():6.1f}s] {msg}", flush=True)
 
 
@@ -160,7 +160,7 @@ def load_gguf(path: Path, num_layers: int | None):
     return model, tokenizer
 
 
-def _save_base(model, tokenizer, work: Path) -> Path:
+def save_base(model, tokenizer, work: Path) -> Path:
     base_dir = work / "base"
     shutil.rmtree(base_dir, ignore_errors=True)
     model.save_pretrained(base_dir)
@@ -189,16 +189,16 @@ def corpus_files(seed: int) -> list[Path]:
     return [files[i] for i in np.random.default_rng(seed).permutation(len(files))]
 
 
-def _take(files: list[Path], start: int, tokens: int) -> tuple[list[Path], int]:
+def take_files(files: list[Path], start: int, tokens: int) -> tuple[list[Path], int]:
     """Files from index `start` holding about `tokens` tokens; returns them and the next index."""
-    want, got, end = tokens * _BYTES_PER_TOKEN, 0, start
+    want, got, end = tokens * BYTES_PER_TOKEN, 0, start
     while end < len(files) and got < want:
         got += files[end].stat().st_size
         end += 1
     return files[start:end], end
 
 
-def _cpt_data(files, tokens, tokenizer, scale: Scale, work: Path, seed: int, name: str):
+def cpt_datasets(files, tokens, tokenizer, scale: Scale, work: Path, seed: int, name: str):
     cfg = CptDataConfig(paths=[str(f) for f in files], seq_len=scale.seq_len, val_fraction=scale.val_fraction,
                         cache_dir=str(work / "tokens"), max_tokens=int(tokens))
     train, val = build_cpt_datasets(cfg, tokenizer, seed)
@@ -337,7 +337,7 @@ def holdout_prompts(sft_data: SftDataConfig, tokenizer, limit: int | None) -> tu
     return prompts, [extract_gold(c[-1]["content"]) for c in holdout]
 
 
-def _train(cfg: TrainConfig, model, tokenizer, train, val, tf32: bool = False):
+def train_run(cfg: TrainConfig, model, tokenizer, train, val, tf32: bool = False):
     """Run the Trainer; return (summary, trained model)."""
     shutil.rmtree(cfg.run_dir, ignore_errors=True)
     t0 = time.perf_counter()
@@ -373,8 +373,11 @@ def summarize_run(run_dir: Path, wall_s: float, skipped: int = 0) -> dict:
 
 
 def health_by_layer_type(records: list[dict]) -> dict:
-    """Mean and worst underflow / saturation per layer type and operand over the run's health checks."""
-    per = [summarize_fp8_health(r["layers"]) for r in records if r.get("layers")]
+    """Mean and worst underflow / saturation per layer type and operand over the run's health checks, and the
+    trend: per check, its step and each layer type's underflow / saturation and smallest scale (the
+    grad_output scales are the ones that run small)."""
+    checks = [(r["step"], summarize_fp8_health(r["layers"])) for r in records if r.get("layers")]
+    per = [kinds for _, kinds in checks]
     out: dict = {}
     for kind in sorted({k for s in per for k in s}):
         for role in sorted({r for s in per for r in s.get(kind, {})}):
@@ -385,7 +388,10 @@ def health_by_layer_type(records: list[dict]) -> dict:
                 "saturation_mean": float(np.mean([v["saturation"] for v in vals])),
                 "saturation_max": max(v["saturation"] for v in vals),
                 "scale_min": min(v["scale_min"] for v in vals), "scale_max": max(v["scale_max"] for v in vals)}
-    return {"checks": len(per), "steps": [r["step"] for r in records], "by_layer_type": out}
+    trend = [{"step": step, "by_layer_type": {
+        k: {r: {m: float(f"{v[m]:.3e}") for m in ("underflow", "saturation", "scale_min")} for r, v in roles.items()}
+        for k, roles in kinds.items()}} for step, kinds in checks]
+    return {"checks": len(per), "steps": [r["step"] for r in records], "by_layer_type": out, "trend": trend}
 
 
 def rel_gap(fp8: float | None, bf16: float | None) -> float | None:
@@ -397,9 +403,9 @@ def _gaps(runs: dict) -> dict:
     return {k: rel_gap(runs["hybrid"][k], runs["bf16"][k]) for k in ("final_train_loss", "final_val_loss")}
 
 
-def _steps(seconds: float, tokens_per_step: int, rates: list[float], scale: Scale, floor: int) -> int:
+def fit_steps(seconds: float, tokens_per_step: int, rates: list[float], scale: Scale, floor: int) -> int:
     """Optimizer steps of each of len(rates) runs (tokens/s each) that fit in `seconds` together."""
-    n = max(int(max(seconds, 0.0) / sum(tokens_per_step / (r * _LOOP_EFFICIENCY) for r in rates)), floor)
+    n = max(int(max(seconds, 0.0) / sum(tokens_per_step / (r * LOOP_EFFICIENCY) for r in rates)), floor)
     return min(n, scale.max_steps) if scale.max_steps else n
 
 
@@ -439,7 +445,7 @@ def paired(a: list[bool], b: list[bool]) -> dict:
 # ---------------------------------------------------------------------------------------- reports
 
 
-def _fmt(v, pct: bool = False) -> str:
+def fmt_value(v, pct: bool = False) -> str:
     if v is None:
         return "n/a"
     return f"{100 * v:+.3f}%" if pct else (f"{v:.4f}" if isinstance(v, float) else str(v))
@@ -458,10 +464,11 @@ def markdown(res: dict) -> str:
         b, f, g = runs["bf16"], runs["hybrid"], runs.get("gap", {})
         ok = g.get("final_val_loss") is not None and abs(g["final_val_loss"]) <= targets[stage]
         lines += [f"## {stage.upper()}", "", "| | BF16 | FP8 hybrid | relative gap |", "|---|---|---|---|",
-                  f"| final train loss (mean of last {b['final_train_window']} steps) | {_fmt(b['final_train_loss'])} "
-                  f"| {_fmt(f['final_train_loss'])} | {_fmt(g.get('final_train_loss'), True)} |",
-                  f"| final validation loss | {_fmt(b['final_val_loss'])} | {_fmt(f['final_val_loss'])} | "
-                  f"{_fmt(g.get('final_val_loss'), True)} ({'within' if ok else 'outside'} the "
+                  f"| final train loss (mean of last {b['final_train_window']} steps) | "
+                  f"{fmt_value(b['final_train_loss'])} "
+                  f"| {fmt_value(f['final_train_loss'])} | {fmt_value(g.get('final_train_loss'), True)} |",
+                  f"| final validation loss | {fmt_value(b['final_val_loss'])} | {fmt_value(f['final_val_loss'])} | "
+                  f"{fmt_value(g.get('final_val_loss'), True)} ({'within' if ok else 'outside'} the "
                   f"{100 * targets[stage]:.2f}% target) |",
                   f"| steps / tokens | {b['steps']} / {b['tokens']:,} | {f['steps']} / {f['tokens']:,} | |",
                   f"| tokens/s (median) / wall | {b['tokens_per_s'] or 0:,.0f} / {b['wall_s']} s | "
@@ -477,7 +484,7 @@ def markdown(res: dict) -> str:
                   f"| answer extracted / finished | {b['extracted_rate']:.2f} / {b['finished_rate']:.2f} | "
                   f"{f['extracted_rate']:.2f} / {f['finished_rate']:.2f} | |", "",
                   f"Both right {p.get('both')}, only BF16 {p.get('only_bf16')}, only FP8 {p.get('only_fp8')}, "
-                  f"neither {p.get('neither')}; McNemar exact p = {_fmt(p.get('mcnemar_p'))}.", ""]
+                  f"neither {p.get('neither')}; McNemar exact p = {fmt_value(p.get('mcnemar_p'))}.", ""]
     for stage in ("cpt", "sft"):
         h = res.get(stage, {}).get("hybrid", {}).get("fp8_health")
         if not h:
@@ -498,8 +505,8 @@ def markdown(res: dict) -> str:
                   "|---|---|---|---|---|"]
         for name in ab.get("probe", {}) | ab.get("runs", {}):
             r, pr = ab.get("runs", {}).get(name, {}), ab.get("probe", {}).get(name, {})
-            lines.append(f"| {name} | {_fmt(r.get('final_val_loss'))} | {_fmt(r.get('val_gap'), True)} | "
-                         f"{_fmt(pr.get('loss_rel_err'))} | {_fmt(pr.get('grad_rel_err_mean'))} |")
+            lines.append(f"| {name} | {fmt_value(r.get('final_val_loss'))} | {fmt_value(r.get('val_gap'), True)} | "
+                         f"{fmt_value(pr.get('loss_rel_err'))} | {fmt_value(pr.get('grad_rel_err_mean'))} |")
         lines.append("")
     if res.get("errors"):
         lines += ["## Errors", ""] + [f"- {k}: {v.splitlines()[-1]}" for k, v in res["errors"].items()]
@@ -511,7 +518,7 @@ def _write(out: Path, res: dict) -> None:
     write_text_atomic(out / "summary.md", markdown(res))
 
 
-def _plot(work: Path, names: list[str], png: Path, title: str) -> None:
+def plot_curves(work: Path, names: list[str], png: Path, title: str) -> None:
     plot_runs([work / "runs" / n for n in names], png, smooth=0.8, title=title)
 
 
@@ -521,7 +528,7 @@ def _plot(work: Path, names: list[str], png: Path, title: str) -> None:
 class _Bench:
     """The phases of one invocation; every phase records into `res` and rewrites the outputs."""
 
-    def __init__(self, args: argparse.Namespace, res: dict, clock: _Clock):
+    def __init__(self, args: argparse.Namespace, res: dict, clock: Clock):
         self.args, self.res, self.clock = args, res, clock
         self.scale = SMOKE if args.smoke else GPU
         self.device = pick_device(args.device)
@@ -534,7 +541,7 @@ class _Bench:
         _write(self.out, self.res)
 
     def log(self, msg: str) -> None:
-        _log(self.clock, msg)
+        log_line(self.clock, msg)
 
     def config(self, stage, name, recipe, data, optim, steps, batch, source=None, evals: int = 6) -> TrainConfig:
         return TrainConfig(
@@ -546,7 +553,7 @@ class _Bench:
                              log_every=1, health_every=max(1, steps // 4)))
 
     def train(self, cfg: TrainConfig, model, train, val, tf32: bool = False):
-        summary, model = _train(cfg, model, self.tokenizer, train, val, tf32)
+        summary, model = train_run(cfg, model, self.tokenizer, train, val, tf32)
         self.runs_left -= 1
         return summary, model
 
@@ -594,24 +601,24 @@ class _Bench:
         cpt_s = (avail - pre_s) * weights["cpt"] / sum(weights.values())
         self.sft_share = weights["sft"] / (weights["sft"] + weights["ablation"])
         tps = self.tokens_per_step
-        steps = min(_steps(cpt_s, tps, [self.rates["bf16"], self.rates["hybrid"]], s, s.min_steps),
+        steps = min(fit_steps(cpt_s, tps, [self.rates["bf16"], self.rates["hybrid"]], s, s.min_steps),
                     max(1, self.args.cpt_tokens // tps))
-        pre_steps = _steps(pre_s, tps, [self.rates["bf16"]], s, s.min_steps) if self.fallback else 0
+        pre_steps = fit_steps(pre_s, tps, [self.rates["bf16"]], s, s.min_steps) if self.fallback else 0
         plan = self.res["plan"] = {"tokens_per_s": self.rates, "cpt_s": round(cpt_s, 1), "tokens_per_step": tps}
         self.log(f"throughput {self.rates}; CPT {steps} steps in about {cpt_s:.0f} s")
 
         # CPT documents first, the fallback's pretraining documents after them: disjoint
         files = corpus_files(self.args.seed)
         need = max(s.min_corpus_tokens, int(steps * tps * 1.02 / (1 - s.val_fraction)))
-        cpt_files, nxt = _take(files, 0, need)
-        self.cpt_data, self.cpt_train, self.cpt_val = _cpt_data(cpt_files, need, self.tokenizer, s, self.work,
+        cpt_files, nxt = take_files(files, 0, need)
+        self.cpt_data, self.cpt_train, self.cpt_val = cpt_datasets(cpt_files, need, self.tokenizer, s, self.work,
                                                                 self.args.seed, "CPT")
         self.cpt_steps = min(steps, max(1, len(self.cpt_train) // s.cpt_batch))  # at most one epoch
         plan.update(cpt_steps=self.cpt_steps, cpt_files=len(cpt_files), cpt_train_rows=len(self.cpt_train),
                     cpt_val_rows=len(self.cpt_val) if self.cpt_val else 0)
         if self.fallback:
             pre_need = max(s.min_corpus_tokens, pre_steps * tps)
-            self.pre = _cpt_data(_take(files, nxt, pre_need)[0], pre_need, self.tokenizer, s, self.work,
+            self.pre = cpt_datasets(take_files(files, nxt, pre_need)[0], pre_need, self.tokenizer, s, self.work,
                                  self.args.seed, "pretraining")
             plan["pretrain_steps"] = min(pre_steps, max(1, len(self.pre[1]) // s.cpt_batch))
         self.log(f"plan: {plan}")
@@ -639,7 +646,7 @@ class _Bench:
                                                                 self.cpt_val)
             self.save()
         self.res["cpt"]["gap"] = _gaps(self.res["cpt"])
-        _plot(self.work, [f"cpt_{a}" for a in ARMS], self.out / "cpt_loss.png",
+        plot_curves(self.work, [f"cpt_{a}" for a in ARMS], self.out / "cpt_loss.png",
               f"CPT from the {self.res['base']['kind']} base: FP8 hybrid vs BF16")
         self.log(f"CPT relative gaps: {self.res['cpt']['gap']}")
 
@@ -649,7 +656,7 @@ class _Bench:
         self.sft_data = gsm8k_sft_data(args.gsm8k, s, args.holdout, args.smoke)
         train, val, stats = build_sft_datasets(self.sft_data, self.tokenizer, args.seed)
         per_epoch = math.ceil(len(train) / s.sft_batch)
-        steps = min(_steps(self.avail(evals=2) * self.sft_share, s.sft_batch * s.seq_len,
+        steps = min(fit_steps(self.avail(evals=2) * self.sft_share, s.sft_batch * s.seq_len,
                            [self.rates["bf16"], self.rates["hybrid"]], s, min(s.min_steps, per_epoch)),
                     max(1, int(args.sft_epochs * per_epoch)))
         self.res["plan"].update(sft_steps=steps, sft_epochs=round(steps / per_epoch, 2),
@@ -665,7 +672,8 @@ class _Bench:
             self.res["sft"][arm], _ = self.train(cfg, self.models.pop(arm), train, val)
             self.save()
         self.res["sft"]["gap"] = _gaps(self.res["sft"])
-        _plot(self.work, [f"sft_{a}" for a in ARMS], self.out / "sft_loss.png", "SFT on GSM8K: FP8 hybrid vs BF16")
+        plot_curves(self.work, [f"sft_{a}" for a in ARMS], self.out / "sft_loss.png",
+                    "SFT on GSM8K: FP8 hybrid vs BF16")
         self.log(f"SFT relative gaps: {self.res['sft']['gap']}")
 
     def evaluate(self) -> None:
@@ -688,8 +696,8 @@ class _Bench:
         batch = collate([self.cpt_val[i] for i in range(min(s.micro_batch, len(self.cpt_val)))])
         ab["probe"] = gradient_error_probe(self.base, {**recipes, **single_gemm_recipes()}, batch, self.device)
         self.save()
-        steps = min(_steps(self.avail(evals=0), self.tokens_per_step, [self.rates["bf16"]] + [self.rates["reference"]]
-                           * len(recipes), s, 0), self.cpt_steps)
+        rates = [self.rates["bf16"]] + [self.rates["reference"]] * len(recipes)
+        steps = min(fit_steps(self.avail(evals=0), self.tokens_per_step, rates, s, 0), self.cpt_steps)
         ab["steps"] = steps
         if steps < max(2, s.min_steps // 2):
             ab["skipped"] = f"{self.clock.left():.0f} s left: {steps} steps would say nothing"
@@ -707,7 +715,8 @@ class _Bench:
             names.append(run)
             self.log(f"ablation {name}: val gap {summary['val_gap']}")
             self.save()
-        _plot(self.work, names, self.out / "ablation_loss.png", f"Ablation: {steps} CPT steps (FP8 on reference GEMMs)")
+        plot_curves(self.work, names, self.out / "ablation_loss.png",
+                    f"Ablation: {steps} CPT steps (FP8 on reference GEMMs)")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -729,7 +738,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    clock = _Clock(args.budget_s)
+    clock = Clock(args.budget_s)
     import transformers
 
     res: dict = {"status": "running", "config": {**vars(args), "torch": torch.__version__,
@@ -748,7 +757,7 @@ def main(argv=None) -> int:
         bench.save()
         if bench.fallback:
             bench.pretrain()
-        _save_base(bench.base, bench.tokenizer, bench.work)
+        save_base(bench.base, bench.tokenizer, bench.work)
         bench.cpt()
         bench.save()
         bench.sft()
@@ -770,7 +779,7 @@ def main(argv=None) -> int:
     finally:
         res["wall_s"] = round(clock.elapsed(), 1)
         bench.save()
-        _log(clock, f"{res['status']}: {bench.out / 'results.json'}, {bench.out / 'summary.md'}")
+        log_line(clock, f"{res['status']}: {bench.out / 'results.json'}, {bench.out / 'summary.md'}")
 
 
 if __name__ == "__main__":

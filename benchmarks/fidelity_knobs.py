@@ -40,10 +40,8 @@ import torch
 import fidelity as fid  # benchmarks/ is on sys.path: the folder of the script, or tests/_benchmarks.py
 from fp8train.cli import keep_freed_memory
 from fp8train.data import build_sft_datasets, load_tokenizer
-from fp8train.fp8.health import summarize_fp8_health
 from fp8train.train.config import LoopConfig, TrainConfig
 from fp8train.train.files import write_text_atomic
-from fp8train.train.metrics import read_jsonl
 from fp8train.train.model import ModelConfig, build_model
 from fp8train.train.optim import OptimConfig
 
@@ -94,7 +92,7 @@ class _Runner:
     """The shared base and data of one invocation, and the pipeline every arm goes through."""
 
     def __init__(self, args: argparse.Namespace):
-        self.args, self.clock = args, fid._Clock(args.budget_s)
+        self.args, self.clock = args, fid.Clock(args.budget_s)
         self.scale = fid.SMOKE if args.smoke else fid.GPU
         self.device = fid.pick_device(args.device)
         self.work = Path(args.work)
@@ -104,11 +102,11 @@ class _Runner:
             self.tokenizer = load_tokenizer(None)
             torch.manual_seed(args.seed)
             self.base = build_model(ModelConfig(source="tiny-qwen2"), self.tokenizer)
-        self.base_dir = fid._save_base(self.base, self.tokenizer, self.work)
+        self.base_dir = fid.save_base(self.base, self.tokenizer, self.work)
         s, tps = self.scale, self.scale.cpt_batch * self.scale.seq_len
         need = max(s.min_corpus_tokens, int(args.cpt_steps * tps * 1.02 / (1 - s.val_fraction)))
-        files, _ = fid._take(fid.corpus_files(args.seed), 0, need)
-        self.cpt_data, self.cpt_train, self.cpt_val = fid._cpt_data(files, need, self.tokenizer, s, self.work,
+        files, _ = fid.take_files(fid.corpus_files(args.seed), 0, need)
+        self.cpt_data, self.cpt_train, self.cpt_val = fid.cpt_datasets(files, need, self.tokenizer, s, self.work,
                                                                     args.seed, "CPT")
         self.sft_data = fid.gsm8k_sft_data(args.gsm8k, s, args.holdout, args.smoke)
         self.sft_train, self.sft_val, _ = build_sft_datasets(self.sft_data, self.tokenizer, args.seed)
@@ -134,12 +132,10 @@ class _Runner:
         out: dict = {"arm": {"recipe": arm.recipe, "pow2_scale": arm.pow2_scale,
                              "bf16_layers": list(arm.bf16_layers), "seed": arm.seed}}
         cfg = self.config(arm, "cpt", self.cpt_data, fid.cpt_schedule(s.cpt_lr), a.cpt_steps, s.cpt_batch, self.base_dir)
-        out["cpt"], model = fid._train(cfg, copy.deepcopy(self.base), self.tokenizer, self.cpt_train, self.cpt_val)
-        out["cpt"]["fp8_health_trend"] = health_trend(Path(cfg.run_dir))
+        out["cpt"], model = fid.train_run(cfg, copy.deepcopy(self.base), self.tokenizer, self.cpt_train, self.cpt_val)
         # the config names the CPT run's BF16 export: the FP32 model handed over in memory is not on disk
         cfg = self.config(arm, "sft", self.sft_data, fid.sft_schedule(s.sft_lr), a.sft_steps, s.sft_batch, runs / f"cpt_{arm.slug}" / "final")
-        out["sft"], _ = fid._train(cfg, model, self.tokenizer, self.sft_train, self.sft_val)
-        out["sft"]["fp8_health_trend"] = health_trend(Path(cfg.run_dir))
+        out["sft"], _ = fid.train_run(cfg, model, self.tokenizer, self.sft_train, self.sft_val)
         del model
         t0 = time.perf_counter()
         outs = fid.generate_greedy(runs / f"sft_{arm.slug}" / "final", self.tokenizer, self.prompts,
@@ -147,25 +143,9 @@ class _Runner:
         ev = fid.score(outs, self.golds)
         ev["per_problem"] = "".join("1" if c else "0" for c in ev["per_problem"])  # 500 bytes, for McNemar
         out["eval"] = {**ev, "wall_s": round(time.perf_counter() - t0, 1)}
-        for stage in ("cpt", "sft"):
-            out[stage].pop("fp8_health", None)  # the trend holds it, check by check
+        for stage in ("cpt", "sft"):  # the trend, check by check, holds what the run's means summarize
+            out[stage]["fp8_health_trend"] = out[stage].pop("fp8_health", {}).get("trend", [])
         return out
-
-
-def health_trend(run_dir: Path) -> list[dict]:
-    """Per health check: the step and, per layer type and operand, underflow / saturation and the smallest
-    scale (the grad_output scales are the ones that run small)."""
-    path = run_dir / "fp8_health.jsonl"
-    if not path.is_file():
-        return []
-    trend = []
-    for rec in read_jsonl(path):
-        if rec.get("layers"):
-            kinds = summarize_fp8_health(rec["layers"])
-            trend.append({"step": rec["step"], "by_layer_type": {
-                k: {r: {m: float(f"{v[m]:.3e}") for m in ("underflow", "saturation", "scale_min")}
-                    for r, v in roles.items()} for k, roles in kinds.items()}})
-    return trend
 
 
 def _write(path: Path, res: dict) -> None:
@@ -187,7 +167,7 @@ def run_arms(args: argparse.Namespace) -> dict:
             res["skipped"][arm.spec] = f"{runner.clock.left():.0f} s left, an arm takes about {per_arm:.0f} s"
             continue
         t0 = time.monotonic()
-        fid._log(runner.clock, f"arm {arm.spec}: {args.cpt_steps} CPT + {args.sft_steps} SFT steps")
+        fid.log_line(runner.clock, f"arm {arm.spec}: {args.cpt_steps} CPT + {args.sft_steps} SFT steps")
         try:
             res["arms"][arm.spec] = {**runner.run(arm), "wall_s": round(time.monotonic() - t0, 1)}
         except Exception:  # the other arms stand without it
@@ -197,7 +177,7 @@ def run_arms(args: argparse.Namespace) -> dict:
         _write(out, res)
     res["wall_s"] = round(runner.clock.elapsed(), 1)
     _write(out, res)
-    fid._plot(runner.work, [f"cpt_{a.slug}" for a in arms if a.spec in res["arms"]], out.with_suffix(".cpt.png"),
+    fid.plot_curves(runner.work, [f"cpt_{a.slug}" for a in arms if a.spec in res["arms"]], out.with_suffix(".cpt.png"),
               "CPT from SmolLM2-135M: FP8 knobs vs BF16")
     return res
 
@@ -243,11 +223,12 @@ def markdown(m: dict) -> str:
              "|---|---|---|---|---|---|---|"]
     for spec, r in m["table"].items():
         p = r["paired"]
-        lines.append(f"| {spec} | {r['cpt_val_loss']:.4f} | {fid._fmt(r['cpt_gap'], True)} | {r['sft_val_loss']:.4f} "
-                     f"| {fid._fmt(r['sft_gap'], True)} | {100 * r['accuracy']:.1f}% ({r['accuracy_diff_points']:+.1f}) "
+        lines.append(f"| {spec} | {r['cpt_val_loss']:.4f} | {fid.fmt_value(r['cpt_gap'], True)} | "
+                     f"{r['sft_val_loss']:.4f} | {fid.fmt_value(r['sft_gap'], True)} | "
+                     f"{100 * r['accuracy']:.1f}% ({r['accuracy_diff_points']:+.1f}) "
                      f"| {p['only_bf16']} / {p['only_fp8']}, p = {p['mcnemar_p']:.2f} |")
-    lines += ["", f"BF16 seed-to-seed spread (noise floor): CPT {fid._fmt(nf['cpt'], True)}, SFT "
-              f"{fid._fmt(nf['sft'], True)}, accuracy {m['accuracy_noise_points']} points."]
+    lines += ["", f"BF16 seed-to-seed spread (noise floor): CPT {fid.fmt_value(nf['cpt'], True)}, SFT "
+              f"{fid.fmt_value(nf['sft'], True)}, accuracy {m['accuracy_noise_points']} points."]
     return "\n".join(lines) + "\n"
 
 

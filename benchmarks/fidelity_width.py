@@ -85,8 +85,8 @@ def param_count(shape: Shape, tokenizer) -> int:
 
 def _data(args, tokenizer, tokens: int):
     scale = replace(fid.GPU, seq_len=args.seq_len, val_fraction=0.01)
-    files, _ = fid._take(fid.corpus_files(0), 0, tokens)
-    return fid._cpt_data(files, tokens, tokenizer, scale, Path(args.work), 0, "pretraining")
+    files, _ = fid.take_files(fid.corpus_files(0), 0, tokens)
+    return fid.cpt_datasets(files, tokens, tokenizer, scale, Path(args.work), 0, "pretraining")
 
 
 def _train_one(args: argparse.Namespace, run: Run) -> dict:
@@ -104,7 +104,7 @@ def _train_one(args: argparse.Namespace, run: Run) -> dict:
         train=LoopConfig(steps=run.steps, global_batch=args.rows, micro_batch=run.micro_batch,
                          eval_every=max(1, run.steps // 4), eval_batches=args.eval_batches, keep_last=1, log_every=1))
     t0 = time.perf_counter()
-    summary, _ = fid._train(cfg, _model(run.shape, tokenizer, run.seed), tokenizer, train, val)
+    summary, _ = fid.train_run(cfg, _model(run.shape, tokenizer, run.seed), tokenizer, train, val)
     summary.pop("train_curve")
     return {"run": {**asdict(run), "name": name}, **summary, "wall_s": round(time.perf_counter() - t0, 1)}
 
@@ -129,7 +129,7 @@ def plan(args, shapes: list[Shape], tokenizer, device) -> tuple[dict, float, dic
         r, rates = args.tokens_per_param, {}
     else:
         rates = {(s, rc): rate(s, rc, tokenizer, args, device) for s in shapes for rc in ("bf16", "hybrid")}
-        seconds_per_token_per_param = sum(params[s] / (rates[(s, rc)] * fid._LOOP_EFFICIENCY)
+        seconds_per_token_per_param = sum(params[s] / (rates[(s, rc)] * fid.LOOP_EFFICIENCY)
                                           for s in shapes for rc in ("bf16", "hybrid")) * len(args.seeds)
         r = args.train_s * args.jobs_speedup / seconds_per_token_per_param
     steps = {s: max(args.min_steps, int(r * params[s] / (args.rows * args.seq_len))) for s in shapes}
@@ -244,7 +244,7 @@ def main(argv=None) -> int:
         pool.join()
     for key, g in res["gaps"].items():
         print(f"[width] {key}: gaps {[f'{100 * x:+.2f}%' for x in g['gaps']]}, BF16 seed spread "
-              f"{fid._fmt(g['bf16_seed_spread'], True)}", flush=True)
+              f"{fid.fmt_value(g['bf16_seed_spread'], True)}", flush=True)
     if args.plot:
         plot(res["gaps"], Path(args.plot), f"FP8 hybrid vs BF16 from scratch, {r:.2f} tokens per parameter")
     return 0

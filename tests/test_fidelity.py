@@ -201,17 +201,17 @@ def test_score_extracts_the_final_number():
 
 def test_step_plan_from_throughput():
     scale = fidelity.GPU
-    eff = fidelity._LOOP_EFFICIENCY
+    eff = fidelity.LOOP_EFFICIENCY
     # two runs at 100k and 50k tokens/s, 65,536 tokens a step, 300 s: 300 / (65536 / eff * (1/1e5 + 1/5e4))
-    n = fidelity._steps(300, 65536, [1e5, 5e4], scale, floor=20)
+    n = fidelity.fit_steps(300, 65536, [1e5, 5e4], scale, floor=20)
     assert n == int(300 / (65536 / eff * (1 / 1e5 + 1 / 5e4)))
-    assert fidelity._steps(1, 65536, [1e5], scale, floor=20) == 20
-    assert fidelity._steps(1e6, 512, [1e3], fidelity.SMOKE, floor=1) == fidelity.SMOKE.max_steps
+    assert fidelity.fit_steps(1, 65536, [1e5], scale, floor=20) == 20
+    assert fidelity.fit_steps(1e6, 512, [1e3], fidelity.SMOKE, floor=1) == fidelity.SMOKE.max_steps
 
 
 def test_corpus_is_real_text_and_seeded():
     files, other = fidelity.corpus_files(seed=0), fidelity.corpus_files(seed=1)
     assert len(files) > 100 and sorted(files) == sorted(other) and files != other  # the same files, reordered
     assert {f.suffix for f in files} <= {".py", ".md", ".rst", ".txt"} and ".py" in {f.suffix for f in files}
-    taken, nxt = fidelity._take(files, 0, 10_000)
-    assert taken == files[:nxt] and sum(f.stat().st_size for f in taken) >= 10_000 * fidelity._BYTES_PER_TOKEN
+    taken, nxt = fidelity.take_files(files, 0, 10_000)
+    assert taken == files[:nxt] and sum(f.stat().st_size for f in taken) >= 10_000 * fidelity.BYTES_PER_TOKEN

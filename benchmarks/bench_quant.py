@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from fp8train.fp8 import kernels as tq
-from fp8train import quantize
+from fp8train import make_recipe, quantize
 from fp8train.fp8.recipe import Fp8Format
 
 E4M3 = Fp8Format.E4M3
@@ -101,6 +101,45 @@ def _data(shape, dtype, seed):
     return x.to(dtype)
 
 
+def _differ(a: torch.Tensor, b: torch.Tensor) -> int:
+    return int((_bits(a) != _bits(b)).sum())
+
+
+def swiglu_rows(copy_tbs: float) -> list[dict]:
+    """The SwiGLU producers (`fuse_swiglu`) against what they replace, at the MLP's [tokens, intermediate]:
+    forward, inductor's fused silu(g) * u (BF16 h written) then the activation kernel (rows + cols); backward,
+    inductor's fused derivatives (dg, du written) then the kernel on each. "bit-exact" here: the fused
+    kernels' FP8 bytes equal the quantization of torch's eager ops but for at most 1e-5 of them. Bytes moved:
+    fused forward reads g, u (4 per element) and writes 2; backward reads dh, g, u (6) and writes 4."""
+    from fp8train.fp8 import ops
+
+    plan = ops.LinearPlan.of(make_recipe("hybrid"), True)
+    fwd_ref = torch.compile(ops.swiglu_reference)
+    bwd_ref = torch.compile(ops.swiglu_grads_reference)
+    rows = []
+    for M, I in ((8192, 8960), (8192, 18944)):
+        g, u, dh = (_data((M, I), torch.bfloat16, 10 + i) for i in range(3))
+        want_h = ops.quantize_input(ops.swiglu_reference(g, u), plan, True)
+        dg, du = ops.swiglu_grads_reference(dh, g, u)
+        want_g = (*ops.quantize_input(dg, plan, True), *ops.quantize_input(du, plan, True))
+        dg = du = None
+        variants = {
+            "swiglu fwd: inductor h + kernel": (lambda: ops.quantize_input(fwd_ref(g, u), plan, True), None, 6 + 4),
+            "swiglu fwd: fused": (lambda: ops.quantize_swiglu(g, u, plan, True), want_h, 6),
+            "swiglu bwd: inductor dg, du + kernel x2": (
+                lambda: [ops.quantize_input(t, plan, True) for t in bwd_ref(dh, g, u)], None, 10 + 8),
+            "swiglu bwd: fused": (lambda: ops.quantize_swiglu_grads(dh, g, u, plan, True), want_g, 10),
+        }
+        for name, (fn, want, nbytes) in variants.items():
+            ok = want is None or sum(_differ(a, b) for a, b in zip(fn(), want)) <= 1e-5 * M * I * 2 * (len(want) // 4)
+            us = _us(fn)
+            rows.append({"kind": "swiglu", "shape": [M, I], "variant": name, "bit_exact": bool(ok), "us": us,
+                         "tb_s": M * I * nbytes / (us * 1e-6) / 1e12, "floor_us": M * I * nbytes / (copy_tbs * 1e12) * 1e6})
+            print(json.dumps(rows[-1]), flush=True)
+        g = u = dh = want_h = want_g = None
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--legacy", default=None, help="path of an older _triton_quant.py to compare against")
@@ -157,6 +196,7 @@ def main(argv=None) -> int:
                              "tb_s": moved / (us * 1e-6) / 1e12, "floor_us": floor_us})
                 print(json.dumps(rows[-1]), flush=True)
             x = None
+    rows += swiglu_rows(copy_tbs)
     print("\n| kind | M x K | variant | bit-exact | us | TB/s | floor us (copy bw) |\n|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['kind']} | {r['shape'][0]} x {r['shape'][1]} | {r['variant']} | {'yes' if r['bit_exact'] else 'NO'} "

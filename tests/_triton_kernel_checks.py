@@ -20,6 +20,7 @@ import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy
 import torch
 import triton
 
@@ -107,7 +108,49 @@ def interpret() -> dict:
                 ok &= q.shape == (M, 512 * -(-K // 512)) and qt.shape == (K, 512 * -(-M // 512))
                 if not ok:
                     failures.append(f"weight {name} pow2={pow2}")
+    failures += _producer_failures()
     return {"failures": failures}
+
+
+def _truncate_to_bf16(x):
+    """FP32 -> BF16 -> FP32 as the interpreter converts: by truncation (the GPU rounds to nearest; that is
+    checked against torch's ops by tests/test_gpu.py)."""
+    return (x.float().contiguous().view(torch.int32) & ~0xFFFF).view(torch.float32)
+
+
+def _producer_failures() -> list:
+    """The SwiGLU producers (PRODUCER 1: h = silu(g) * u; 2: dg and du), bit for bit against the formulas
+    written out here in FP32 torch ops (exp: numpy's, as the interpreter's), rounded to BF16 where autograd's
+    BF16 ops round (as the interpreter rounds), then the reference quantization."""
+    g0 = torch.Generator().manual_seed(1)
+    M, I = 257, 384
+    g, u, dh = ((torch.randn(M, I, generator=g0) * torch.logspace(-2, 2, I)).bfloat16() for _ in range(3))
+    g[0, :5] = torch.tensor([0.0, -0.0, 80.0, -80.0, 1e-30])
+    r = _truncate_to_bf16
+    gf, uf, dhf = g.float(), u.float(), dh.float()
+    e = torch.from_numpy(numpy.exp(-gf.numpy()))  # the interpreter's exp (the GPU's is libdevice's, as torch's)
+    silu = r(gf / (1 + e))
+    sig = 1 / (1 + e)
+    refs = {"h": r(silu * uf), "dg": r(r(dhf * uf) * sig * (1 + gf * (1 - sig))), "du": r(dhf * silu)}
+    fmt = Fp8Format.E4M3
+    fake = SimpleNamespace(dtype=torch.float32, max=fmt.max)
+    failures = []
+    for pow2 in (True, False):
+        got = {"h": tq.quantize_swiglu(g, u, fake, fake, pow2, 512)}
+        grads = tq.quantize_swiglu_grads(dh, g, u, fake, fake, pow2, 512)
+        got["dg"], got["du"] = grads[:4], grads[4:]
+        for name, (qr, sr, qc, sc) in got.items():  # the ops' layout: scales [blocks, rows]
+            rr, rs = _pre_conversion(refs[name], fmt, pow2)
+            cr, cs = _pre_conversion(refs[name].t(), fmt, pow2)
+            ok = torch.equal(_bits(qr[:, :I]), _bits(rr)) and torch.equal(_bits(sr.t()[:, :rs.shape[1]]), _bits(rs))
+            ok &= torch.equal(_bits(qc[:, :M]), _bits(cr)) and torch.equal(_bits(sc.t()[:, :cs.shape[1]]), _bits(cs))
+            ok &= not qr[:, I:].any() and not qc[:, M:].any()
+            if not ok:
+                failures.append(f"{name} pow2={pow2}")
+        rows_only = tq.quantize_swiglu(g, u, fake, fake, pow2, 512, cols=False)
+        if not (torch.equal(rows_only[0], got["h"][0]) and rows_only[2].numel() == rows_only[3].numel() == 0):
+            failures.append(f"h rows only pow2={pow2}")
+    return failures
 
 
 def _resources(kernel) -> dict:
@@ -124,20 +167,25 @@ def compile_sm90() -> dict:
     from triton.compiler import ASTSource
 
     target = GPUTarget("cuda", 90, 32)
-    aligned = {(i,): [["tt.divisibility", 16]] for i in range(10)}  # pointers, sizes, strides: multiples of 16
+    aligned = {(i,): [["tt.divisibility", 16]] for i in range(16)}  # pointers, sizes, strides: multiples of 16
     act_sig = {n: "constexpr" for n in tq._act_kernel.arg_names}
     act_sig.update(x_ptr="*bf16", M="i32", K="i32", stride_xm="i32", qr_ptr="*fp8e4nv", sr_ptr="*fp32", Kp="i32",
-                   qc_ptr="*fp8e4nv", sc_ptr="*fp32", Mp="i32")
+                   qc_ptr="*fp8e4nv", sc_ptr="*fp32", Mp="i32", y_ptr="*bf16", z_ptr="*bf16", qr2_ptr="*fp8e4nv",
+                   sr2_ptr="*fp32", qc2_ptr="*fp8e4nv", sc2_ptr="*fp32")
     w_sig = {n: "constexpr" for n in tq._weight_kernel.arg_names}
     w_sig.update(w_ptr="*fp32", N="i32", K="i32", stride_wn="i32", q_ptr="*fp8e4nv", ld_q="i32", s_ptr="*fp32",
                  ld_s="i32")
     out = {}
     for pow2 in (True, False):  # power-of-two scales (the default) and exact ones
         for cols in (True, False):
-            consts = dict(ROW_MAX=448.0, COL_MAX=448.0, POW2=pow2, COLS=cols, BF16=True, BLOCK=128)
-            k = triton.compile(ASTSource(tq._act_kernel, act_sig, consts, aligned), target=target,
-                               options={"num_warps": tq._NUM_WARPS})
-            out[f"activation pow2={pow2} cols={cols}"] = _resources(k)
+            for name, producer, outputs, warps in (("activation", 0, 1, tq._NUM_WARPS),
+                                                   ("swiglu", 1, 1, tq._PRODUCER_WARPS),
+                                                   ("swiglu grads", 2, 2, tq._PRODUCER_WARPS)):
+                consts = dict(ROW_MAX=448.0, COL_MAX=448.0, POW2=pow2, COLS=cols, BF16=True, BLOCK=128,
+                              PRODUCER=producer, OUTPUTS=outputs)
+                k = triton.compile(ASTSource(tq._act_kernel, act_sig, consts, aligned), target=target,
+                                   options={"num_warps": warps})
+                out[f"{name} pow2={pow2} cols={cols}"] = _resources(k)
         for transpose in (False, True):
             consts = dict(FMT_MAX=448.0, POW2=pow2, BF16=False, TRANSPOSE=transpose, BLOCK=128)
             k = triton.compile(ASTSource(tq._weight_kernel, w_sig, consts, aligned), target=target,

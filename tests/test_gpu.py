@@ -343,8 +343,9 @@ def test_swiglu_inputs_fp8_on_cuda():
         torch.manual_seed(1)
         wrapper = torch.nn.Module()
         wrapper.mlp = Qwen2MLP(Qwen2Config(hidden_size=1536, intermediate_size=8960, hidden_act="silu")).cuda()
-        report = convert_to_fp8(wrapper, make_recipe("hybrid", swiglu_inputs_fp8=swiglu_fp8), lambda m, fqn: True)
-        assert report.swiglu_fp8 == (["mlp"] if swiglu_fp8 else [])
+        recipe = make_recipe("hybrid", swiglu_inputs_fp8=swiglu_fp8, fuse_swiglu=False)
+        report = convert_to_fp8(wrapper, recipe, lambda m, fqn: True)
+        assert report.swiglu_mlps == (["mlp"] if swiglu_fp8 else [])
         xr = x.clone().requires_grad_()
         with torch.autocast("cuda", torch.bfloat16):
             y = torch.compile(wrapper.mlp)(xr)
@@ -354,6 +355,69 @@ def test_swiglu_inputs_fp8_on_cuda():
     plain, knob = run(False), run(True)
     assert _sqnr(knob[0], plain[0]) > 60, _sqnr(knob[0], plain[0])
     assert _sqnr(knob[1], plain[1]) > 25 and _sqnr(knob[2], plain[2]) > 25, (_sqnr(knob[1], plain[1]), _sqnr(knob[2], plain[2]))
+
+
+def test_fused_swiglu_kernels_equal_torch_on_cuda():
+    """The fused SwiGLU kernels (`fuse_swiglu`) against torch's own CUDA ops on the same BF16 inputs, then the
+    activation kernel: h = silu(g) * u, dg and du quantized, rows and cols. libdevice's exp, IEEE division and
+    BF16 rounding where autograd rounds: the FP8 bytes and scales match (at most 1e-5 of them may differ, a
+    last-bit difference of the FP32 arithmetic crossing a rounding boundary; the count is in the message)."""
+    from fp8train.fp8 import ops as _ops
+
+    torch.manual_seed(0)
+    M, I = 1000, 8960
+    g, u, dh = (torch.randn(M, I, device="cuda") for _ in range(3))
+    g[:2] *= 80
+    u[5] *= 1e-3
+    g, u, dh = g.bfloat16(), u.bfloat16(), dh.bfloat16()
+    plan = _ops.LinearPlan.of(make_recipe("hybrid"), True)
+    dg, du = _ops.swiglu_grads_reference(dh, g, u)
+    refs = [_ops.quantize_input(_ops.swiglu_reference(g, u), plan, True)]
+    refs += [_ops.quantize_input(dg, plan, True), _ops.quantize_input(du, plan, True)]
+    grads = _ops.quantize_swiglu_grads(dh, g, u, plan, True)
+    gots = [_ops.quantize_swiglu(g, u, plan, True), grads[:4], grads[4:]]
+    for name, got, ref in zip(("h", "dg", "du"), gots, refs):
+        for a, b, what in zip(got, ref, ("rows", "rows scale", "cols", "cols scale")):
+            assert a.shape == b.shape and a.dtype == b.dtype, (name, what)
+            differ = int((a.view(torch.uint8) != b.view(torch.uint8)).sum()) if a.element_size() == 1 else int((a != b).sum())
+            assert differ <= 1e-5 * a.numel(), f"{name} {what}: {differ} of {a.numel()} differ"
+    rows_only = _ops.quantize_swiglu(g, u, plan, False)
+    assert torch.equal(rows_only[0].view(torch.uint8), gots[0][0].view(torch.uint8)) and rows_only[2].numel() == 0
+
+
+@pytest.mark.parametrize("fp8_inputs", [False, True])
+def test_fused_swiglu_mlp_on_cuda(fp8_inputs):
+    """A converted Qwen2 MLP at 1.5B width, fused against the three FP8Linears, on CUDA: eagerly the same
+    outputs and gradients up to the kernels' rare last-bit differences; compiled (inductor launches the
+    kernels), the fused MLP's forward equals its eager forward and its gradients stay close."""
+    import torch._dynamo
+    from transformers import Qwen2Config
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2MLP
+
+    x = torch.randn(2, 1000, 1536, device="cuda")
+    x[:, 0] *= 30
+
+    def run(fuse, compiled):
+        torch._dynamo.reset()
+        torch.manual_seed(1)
+        wrapper = torch.nn.Module()
+        wrapper.mlp = Qwen2MLP(Qwen2Config(hidden_size=1536, intermediate_size=8960, hidden_act="silu")).cuda()
+        recipe = make_recipe("hybrid", swiglu_inputs_fp8=fp8_inputs, fuse_swiglu=fuse)
+        assert convert_to_fp8(wrapper, recipe, lambda m, fqn: True).swiglu_mlps == (["mlp"] if fuse or fp8_inputs else [])
+        xr = x.clone().requires_grad_()
+        fn = torch.compile(wrapper.mlp) if compiled else wrapper.mlp
+        with torch.autocast("cuda", torch.bfloat16):
+            y = fn(xr)
+        y.float().pow(2).mean().backward()
+        mlp = wrapper.mlp
+        return [y.detach().float(), xr.grad] + [p.weight.grad for p in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)]
+
+    plain, fused, fused_compiled = run(False, False), run(True, False), run(True, True)
+    for i, (a, b) in enumerate(zip(fused, plain)):
+        assert _sqnr(a, b) > 50, (i, _sqnr(a, b))
+    assert _sqnr(fused_compiled[0], fused[0]) > 60, _sqnr(fused_compiled[0], fused[0])
+    for i, (a, b) in enumerate(zip(fused_compiled[1:], fused[1:])):
+        assert _sqnr(a, b) > 30, (i, _sqnr(a, b))
 
 
 def test_compiled_model_launches_the_fp8_kernels_from_inductor_code():
@@ -386,9 +450,10 @@ def test_compiled_model_launches_the_fp8_kernels_from_inductor_code():
     code = "\n".join(codes)
     counts = {name: len(re.findall(rf"\b{name}\w*\.run\(", code)) for name in ("_act_kernel", "_weight_kernel")}
     assert "fp8train." not in code, "an opaque fp8train op is left in the compiled code"
-    # forward: inputs of q/k/v (one), o, gate/up (one), down; backward: the 7 grad_outputs. Weights: W in
-    # the forward, W.T in the backward (no FP8 copy of the weight is kept between them)
-    assert counts == {"_act_kernel": 4 + 7, "_weight_kernel": 7 + 7}, counts
+    # forward: inputs of q/k/v (one), o, gate/up (one), down (made from g and u: the fused SwiGLU); backward:
+    # the grad_outputs of q, k, v, o, down, and gate's and up's in one launch (the fused SwiGLU's derivatives).
+    # Weights: W in the forward, W.T in the backward (no FP8 copy of the weight is kept between them)
+    assert counts == {"_act_kernel": 4 + 6, "_weight_kernel": 7 + 7}, counts
     assert len(re.findall(r"_scaled_mm", code)) >= 21, "7 Linears x 3 GEMMs on cuBLAS"
 
 

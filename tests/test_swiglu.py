@@ -1,8 +1,10 @@
-"""The recipe's `swiglu_inputs_fp8`: the MLP's SwiGLU inputs saved for backward as FP8 tiles (fp8/swiglu.py).
+"""The SwiGLU MLP converted whole (fp8/swiglu.py): the SwiGLU fused into its FP8 producers (`fuse_swiglu`,
+the default) and its inputs saved for backward as FP8 tiles (`swiglu_inputs_fp8`).
 
-The forward is the Hugging Face module's bit for bit; the backward equals autograd's exactly where the
-inputs are FP8-representable, and otherwise carries E4M3's rounding of g and u: measured against FP64 here,
-between the BF16 path's accuracy and the FP8 GEMMs' own.
+Fused, the MLP computes the three FP8Linears' numbers bit for bit on the CPU (forward, every gradient). With
+FP8-saved inputs the forward is the Hugging Face module's bit for bit; the backward equals autograd's exactly
+where the inputs are FP8-representable, and otherwise carries E4M3's rounding of g and u: measured against
+FP64 here, between the BF16 path's accuracy and the FP8 GEMMs' own.
 """
 
 import pytest
@@ -15,7 +17,8 @@ from fp8train.fp8.swiglu import FP8SwiGLUMLP, _SwiGLUFn
 from test_convert import tiny
 from test_trainer import byte_tokenizer, corpus, one_thread  # noqa: F401 (fixtures)
 
-SWIGLU = make_recipe("hybrid", swiglu_inputs_fp8=True)
+SWIGLU = make_recipe("hybrid", swiglu_inputs_fp8=True, fuse_swiglu=False)
+UNFUSED = make_recipe("hybrid", fuse_swiglu=False)
 
 
 def _sqnr(x, ref):
@@ -75,12 +78,12 @@ def test_converted_model_same_forward_smaller_saved_tensors(arch):
     logits equal the plain conversion's bit for bit; the step saves 2 x tokens x intermediate bytes less per
     layer (g and u in FP8 instead of BF16); the gradients stay close to the plain conversion's."""
     plain, knob = tiny(arch), tiny(arch)
-    convert_to_fp8(plain, "hybrid")
+    convert_to_fp8(plain, UNFUSED)
     report = convert_to_fp8(knob, SWIGLU)
-    assert report.swiglu_fp8 == ["model.layers.0.mlp", "model.layers.1.mlp"] and "SwiGLU" in str(report)
+    assert report.swiglu_mlps == ["model.layers.0.mlp", "model.layers.1.mlp"] and "SwiGLU" in str(report)
     assert isinstance(knob.model.layers[0].mlp, FP8SwiGLUMLP) and "SwiGLU inputs saved in FP8" in repr(knob)
     assert plain.state_dict().keys() == knob.state_dict().keys()
-    assert convert_to_fp8(knob, SWIGLU).swiglu_fp8 == []  # converting again wraps nothing twice
+    assert convert_to_fp8(knob, SWIGLU).swiglu_mlps == []  # converting again wraps nothing twice
     ids = torch.randint(0, 512, (2, 64))
 
     def step(model):
@@ -131,23 +134,24 @@ def test_trainer_config_key(tmp_path, byte_tokenizer, corpus, capsys):
     from fp8train.train.trainer import Trainer
     from test_trainer import tiny_config
 
-    cfg = tiny_config(tmp_path, byte_tokenizer, corpus, swiglu_inputs_fp8="true",
+    cfg = tiny_config(tmp_path, byte_tokenizer, corpus, swiglu_inputs_fp8="true", fuse_swiglu="false",
                       **{"train.steps": 10, "train.save_every": 0, "train.eval_every": 0})
     trainer = Trainer(cfg, progress=False)
     assert all(isinstance(layer.mlp, FP8SwiGLUMLP) for layer in trainer.model.model.layers)
     losses = trainer.fit().losses
     assert losses[10] < losses[1] - 0.5, losses
-    assert "SwiGLU inputs saved in FP8 in 2 MLPs" in capsys.readouterr().out
+    assert "2 SwiGLU MLPs converted whole (SwiGLU inputs saved in FP8)" in capsys.readouterr().out
 
 
-def test_with_lora_adapters(tmp_path, byte_tokenizer, corpus):
-    """PEFT LoRA wraps the projections inside an FP8SwiGLUMLP (conversion first, then adapters): the adapters
-    train and the frozen FP8 base stays unchanged."""
+@pytest.mark.parametrize("fuse", ["true", "false"])
+def test_with_lora_adapters(tmp_path, byte_tokenizer, corpus, fuse):
+    """PEFT LoRA wraps the projections inside an FP8SwiGLUMLP (conversion first, then adapters; the MLP then
+    runs its three Linears, fused or not): the adapters train and the frozen FP8 base stays unchanged."""
     pytest.importorskip("peft")
     from fp8train.train.trainer import Trainer
     from test_trainer import tiny_config
 
-    cfg = tiny_config(tmp_path, byte_tokenizer, corpus, swiglu_inputs_fp8="true",
+    cfg = tiny_config(tmp_path, byte_tokenizer, corpus, swiglu_inputs_fp8="true", fuse_swiglu=fuse,
                       **{"model.lora.rank": 8, "optim.lr": 3e-3, "train.steps": 10, "train.save_every": 0,
                          "train.eval_every": 0})
     trainer = Trainer(cfg, progress=False)
@@ -157,3 +161,83 @@ def test_with_lora_adapters(tmp_path, byte_tokenizer, corpus):
     losses = trainer.fit().losses
     assert losses[10] < losses[1], losses
     assert all(torch.equal(p, base[n]) for n, p in trainer.model.named_parameters() if n in base)
+
+
+# ------------------------------------------------------------------------------ fused (`fuse_swiglu`)
+
+def _step(model, ids, compile_backend=None):
+    fn = torch.compile(model, backend=compile_backend) if compile_backend else model
+    with torch.autocast("cpu", torch.bfloat16):
+        out = fn(input_ids=ids, labels=ids)
+    out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return out.logits.detach(), grads
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+@pytest.mark.parametrize("fp8_inputs", [False, True])
+def test_fused_mlp_is_the_three_linears_bit_for_bit(arch, fp8_inputs):
+    """The default conversion runs each MLP fused; on the CPU its logits and every parameter's gradient equal
+    the three separate FP8Linears' exactly, with and without FP8-saved SwiGLU inputs."""
+    plain, fused = tiny(arch), tiny(arch)
+    convert_to_fp8(plain, make_recipe("hybrid", fuse_swiglu=False, swiglu_inputs_fp8=fp8_inputs))
+    report = convert_to_fp8(fused, make_recipe("hybrid", swiglu_inputs_fp8=fp8_inputs))
+    assert len(report.swiglu_mlps) == 2 and "SwiGLU fused into its FP8 producers" in str(report)
+    assert plain.state_dict().keys() == fused.state_dict().keys()
+    ids = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(3))
+    (lp, gp), (lf, gf) = _step(plain, ids), _step(fused, ids)
+    assert torch.equal(lp, lf)
+    assert gp.keys() == gf.keys() and len(gp) == len(list(plain.parameters()))
+    for name in gp:
+        assert torch.equal(gp[name], gf[name]), name
+    assert gf["model.layers.0.mlp.down_proj.weight"].abs().sum() > 0
+
+
+def test_fused_mlp_compiled_equals_eager():
+    """Compiled (the CPU's opaque ops; aot_eager keeps the rest eager's), the fused MLP computes eager's numbers;
+    without grad it runs too (no input.T copies made)."""
+    model = tiny()
+    convert_to_fp8(model, "hybrid")
+    ids = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(4))
+    (le, ge), (lc, gc) = _step(model, ids), _step(model, ids, "aot_eager")
+    assert torch.equal(le, lc) and all(torch.equal(ge[n], gc[n]) for n in ge)
+    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+        assert torch.equal(model(input_ids=ids).logits, le)
+
+
+def test_fused_mlp_frozen_gate_and_falls_back_where_it_must():
+    """A frozen gate weight gets no gradient and the rest the unfused numbers; a layer tracking FP8 health
+    makes the MLP run its three Linears (the health of each is recorded)."""
+    plain, fused = tiny(), tiny()
+    convert_to_fp8(plain, UNFUSED)
+    convert_to_fp8(fused, "hybrid")
+    for m in (plain, fused):
+        m.model.layers[0].mlp.gate_proj.weight.requires_grad_(False)
+    ids = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(5))
+    (lp, gp), (lf, gf) = _step(plain, ids), _step(fused, ids)
+    assert torch.equal(lp, lf) and gp.keys() == gf.keys()
+    assert "model.layers.0.mlp.gate_proj.weight" not in gf
+    assert all(torch.equal(gp[n], gf[n]) for n in gp)
+
+    mlp = fused.model.layers[1].mlp
+    assert mlp._fusable()
+    for lin in (mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+        lin.track_health(True)
+    assert not mlp._fusable()
+    _step(fused, ids)
+    assert all(lin.health()["input"]["scale_max"] > 0 for lin in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+
+
+def test_swiglu_grad_references_are_autograds():
+    """`swiglu_grads_reference` (what the fused backward kernel computes) equals autograd's gradients of
+    `swiglu_reference` bit for bit in BF16, outliers included."""
+    from fp8train.fp8.ops import swiglu_grads_reference, swiglu_reference
+
+    gen = torch.Generator().manual_seed(6)
+    g, u, dh = (torch.randn(128, 384, generator=gen) * torch.logspace(-3, 3, 384) for _ in range(3))
+    g, u, dh = g.bfloat16(), u.bfloat16(), dh.bfloat16()
+    ref = _grads(swiglu_reference, g, u, dh)
+    dg, du = swiglu_grads_reference(dh, g, u)
+    assert torch.equal(dg, ref[1]) and torch.equal(du, ref[2])
+    assert dg.dtype == du.dtype == torch.bfloat16 and dg.abs().sum() > 0

@@ -3,8 +3,9 @@
 Converted (the recipe's list): q, k, v, o projections and the MLP's gate, up, down projections.
 Left in BF16: embeddings, the LM head, norms and everything that is not an nn.Linear. A Linear whose
 dimensions are not multiples of 16 (the FP8 tensor-core alignment) is skipped and reported. With the
-recipe's `swiglu_inputs_fp8`, each SwiGLU MLP of converted projections becomes an `FP8SwiGLUMLP`
-(swiglu.py: the same children and forward, its inputs saved for backward in FP8).
+recipe's `fuse_swiglu` (the default) or `swiglu_inputs_fp8`, each SwiGLU MLP of converted projections
+becomes an `FP8SwiGLUMLP` (swiglu.py: the same children and arithmetic, the SwiGLU fused into its FP8
+producers and/or its inputs saved for backward in FP8).
 """
 
 from __future__ import annotations
@@ -32,13 +33,14 @@ class ConversionReport:
     recipe: str
     converted: list[str] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
-    swiglu_fp8: list[str] = field(default_factory=list)
-    """MLPs whose SwiGLU inputs are saved in FP8 (the recipe's `swiglu_inputs_fp8`)."""
+    swiglu_mlps: list[str] = field(default_factory=list)
+    """MLPs converted as one piece (`FP8SwiGLUMLP`: the recipe's `fuse_swiglu` or `swiglu_inputs_fp8`)."""
+    swiglu_what: str = ""
 
     def __str__(self) -> str:
         lines = [f"fp8train: recipe {self.recipe}: {len(self.converted)} Linear layers in FP8, {len(self.skipped)} kept in BF16"]
-        if self.swiglu_fp8:
-            lines.append(f"  SwiGLU inputs saved in FP8 in {len(self.swiglu_fp8)} MLPs")
+        if self.swiglu_mlps:
+            lines.append(f"  {len(self.swiglu_mlps)} SwiGLU MLPs converted whole ({self.swiglu_what})")
         reasons = defaultdict(list)
         for name, why in self.skipped.items():
             reasons[why].append(name)
@@ -106,12 +108,14 @@ def convert_to_fp8(
             parent = model.get_submodule(parent_name) if parent_name else model
             setattr(parent, child, FP8Linear.from_linear(module, recipe, input_cache))
             report.converted.append(fqn)
-    if recipe.swiglu_inputs_fp8:
+    if recipe.fuse_swiglu or recipe.swiglu_inputs_fp8:
         for fqn, module in list(model.named_modules()):
             if fqn and swiglu_mlp_applies(module):  # (a bare MLP passed as the model cannot replace itself)
                 parent_name, _, child = fqn.rpartition(".")
-                setattr(model.get_submodule(parent_name) if parent_name else model, child, FP8SwiGLUMLP(module))
-                report.swiglu_fp8.append(fqn)
+                mlp = FP8SwiGLUMLP(module)
+                setattr(model.get_submodule(parent_name) if parent_name else model, child, mlp)
+                report.swiglu_mlps.append(fqn)
+                report.swiglu_what = mlp.extra_repr().split(", ", 1)[1]
     return report
 
 

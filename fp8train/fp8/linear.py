@@ -191,9 +191,9 @@ class FP8Linear(nn.Linear):
 
     # ---------------------------------------------------------------------------------------- forward
 
-    def _weight_operand(self, plan: LinearPlan) -> tuple[Tensor | None, Tensor | None]:
-        """W's operand from FSDP's FP8 all-gather or the step's cache; (None, None): the forward quantizes
-        the weight in one op with its GEMM."""
+    def weight_operand(self, plan: LinearPlan) -> tuple[Tensor | None, Tensor | None]:
+        """W's operand for `plan` where one is made already: the frozen copy, FSDP's FP8 all-gather or the
+        step's cache (made here on first use); (None, None): the GEMM's op quantizes the weight itself."""
         if self._frozen_plan is not None:
             if self._frozen_plan != plan.key:
                 raise RuntimeError(f"FP8Linear: the weight was frozen to FP8 for plan {self._frozen_plan}, this forward "
@@ -240,7 +240,14 @@ class FP8Linear(nn.Linear):
         """The plan this layer's GEMMs follow for input `x` (cuBLAS where it runs, else emulated)."""
         return self._plans[runs_on_cublas(x, self.recipe)]
 
-    def _forward(self, x: Tensor) -> Tensor:
+    def forward_quantized(self, x: Tensor, x_rows: Tensor, x_rows_scale: Tensor, x_t: Tensor,
+                          x_t_scale: Tensor) -> Tensor:
+        """The forward from the input's operands made by its producer (`ops.quantize_swiglu`: rows, and
+        input.T where this layer's grad_weight needs it, else empty). `x` stands in for the input: its shape,
+        dtype and autograd edge (grad_input goes to it); its values are never read."""
+        return self._forward(x, (x_rows, x_rows_scale, x_t, x_t_scale))
+
+    def _forward(self, x: Tensor, x_operands: tuple[Tensor, ...] | None = None) -> Tensor:
         if self._frozen_plan is not None and self.weight.requires_grad:
             raise RuntimeError("FP8Linear: the weight was frozen to FP8 (freeze_weight) and now requires grad: "
                                "freeze_weight(False) before training it")
@@ -250,9 +257,10 @@ class FP8Linear(nn.Linear):
         out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
         # a backward that computes dW needs input.T: made now from x, or later from the saved FP8 rows
         grad_weight = torch.is_grad_enabled() and self.weight.requires_grad
-        x_rows, x_rows_scale, x_t, x_t_scale = self._quantize_input(x, x2d, plan, grad_weight and not plan.x_t_from_fp8)
+        x_rows, x_rows_scale, x_t, x_t_scale = x_operands or self._quantize_input(
+            x, x2d, plan, grad_weight and not plan.x_t_from_fp8)
         x_saved = ((x_rows, x_rows_scale) if plan.x_t_from_fp8 else (x_t, x_t_scale)) if grad_weight else (None, None)
-        w, w_scale = self._weight_operand(plan)
+        w, w_scale = self.weight_operand(plan)
         weight = self.weight
         if self._frozen_plan is not None:
             # nothing reads W again (W.T is the copy's transpose): a stand-in with its shape keeps an offloaded

@@ -56,7 +56,8 @@ except ImportError:  # no triton (CPU-only installs): the reference path is used
 
 __all__ = ["OperandSpec", "LinearPlan", "Route", "gemm_route", "contraction_pad", "gemm", "quantize_operand",
            "dequantize_operand", "pad_operand", "quantize_input", "quantize_weight", "weight_transposes", "transpose_weight",
-           "linear_forward", "linear_backward", "reference_fp8_linear", "load_deep_gemm"]
+           "linear_forward", "linear_backward", "linear_backward_gemms", "quantize_swiglu", "quantize_swiglu_grads",
+           "swiglu_reference", "swiglu_grads_reference", "reference_fp8_linear", "load_deep_gemm"]
 
 # cuBLAS blockwise GEMMs need the number of 128-blocks along the contraction to be a multiple of 4
 # (K=8960 -> 70 blocks is refused or silently wrong): contractions are padded to 512 with zero data, scale 1.
@@ -418,12 +419,21 @@ def _forward_impl(x_rows: Tensor, x_rows_scale: Tensor, weight: Tensor, w: Tenso
 def _backward_impl(dy: Tensor, weight: Tensor, w: Tensor | None, w_scale: Tensor | None, x_saved: Tensor | None,
                    x_saved_scale: Tensor | None, plan: str, want_dx: bool, want_dw: bool,
                    dx_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """grad_output quantized (rows; cols when dW is wanted), then grad_input and grad_weight (FP32).
+    """grad_output quantized (rows; cols when dW is wanted), then grad_input and grad_weight (FP32)."""
+    p = LinearPlan.parse(plan)
+    g, g_scale, g_t, g_t_scale = _quantize_activation(dy, p.g, p.g_t, p.pow2, want_dw, p.cublas)
+    return _backward_gemms_impl(g, g_scale, g_t, g_t_scale, weight, w, w_scale, x_saved, x_saved_scale, plan, want_dx,
+                                want_dw, dx_dtype)
+
+
+def _backward_gemms_impl(g: Tensor, g_scale: Tensor, g_t: Tensor, g_t_scale: Tensor, weight: Tensor, w: Tensor | None,
+                         w_scale: Tensor | None, x_saved: Tensor | None, x_saved_scale: Tensor | None, plan: str,
+                         want_dx: bool, want_dw: bool, dx_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """grad_input and grad_weight from grad_output's operands (rows g; cols g_t, when dW is wanted).
     `x_saved` is input.T's operand, or the input rows with the plan's `x_t_from_fp8`; `w` is W's operand
     when the forward was given one (W.T is then its transpose where that is exact)."""
     p = LinearPlan.parse(plan)
-    g, g_scale, g_t, g_t_scale = _quantize_activation(dy, p.g, p.g_t, p.pow2, want_dw, p.cublas)
-    dx = dw = dy.new_empty(0, dtype=torch.float32)
+    dx = dw = g.new_empty(0, dtype=torch.float32)
     if want_dx:
         w_t = transpose_weight(w, w_scale, p, weight.shape[1]) if w is not None else None
         w_t = w_t or quantize_weight(weight, p.w_t, p.pow2, True, p.cublas)
@@ -436,6 +446,48 @@ def _backward_impl(dy: Tensor, weight: Tensor, w: Tensor | None, w_scale: Tensor
         # grad_weight: dW [N, K] = dy.T [N, Mp] @ x.T [K, Mp].T
         dw = gemm(g_t, g_t_scale, p.g_t, x_saved, x_saved_scale, p.x_t, torch.float32, p.cublas)
     return dx, dw
+
+
+def swiglu_reference(g: Tensor, u: Tensor) -> Tensor:
+    """h = silu(g) * u, as a Llama/Qwen2 MLP computes it (in g's and u's dtype)."""
+    return F.silu(g) * u
+
+
+def swiglu_grads_reference(dh: Tensor, g: Tensor, u: Tensor) -> tuple[Tensor, Tensor]:
+    """(dg, du) of h = silu(g) * u, as autograd computes them: silu_backward(dh * u, g) and dh * silu(g)."""
+    return torch.ops.aten.silu_backward(dh * u, g), dh * F.silu(g)
+
+
+def _swiglu_kernel_applies(p: LinearPlan, rows: OperandSpec, cols: OperandSpec, *tensors: Tensor) -> bool:
+    return _tile_kernel_applies(rows, cols, p.cublas) and all(t.dtype == torch.bfloat16 for t in tensors)
+
+
+def _quantize_swiglu_impl(g: Tensor, u: Tensor, plan: str, make_cols: bool,
+                          kernels: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """h = silu(g) * u quantized as the plan's input (rows, and input.T with `make_cols`): on CUDA in one
+    kernel that never writes h; elsewhere `swiglu_reference`, then the input's quantization."""
+    p = LinearPlan.parse(plan)
+    g, u = g.contiguous(), u.contiguous()
+    if kernels and _swiglu_kernel_applies(p, p.x, p.x_t, g, u):
+        if torch.compiler.is_compiling():
+            return _kernels.quantize_swiglu_op(g, u, p.x.fmt.dtype, p.x_t.fmt.dtype, p.pow2, p.x.pad, make_cols)
+        return _kernels.quantize_swiglu(g, u, p.x.fmt, p.x_t.fmt, p.pow2, p.x.pad, make_cols)
+    return _quantize_activation(swiglu_reference(g, u), p.x, p.x_t, p.pow2, make_cols, p.cublas and kernels)
+
+
+def _quantize_swiglu_grads_impl(dh: Tensor, g: Tensor, u: Tensor, plan: str, make_cols: bool,
+                                kernels: bool = True) -> tuple[Tensor, ...]:
+    """dg's and du's grad_output operands (rows; cols with `make_cols`), 8 tensors: on CUDA in one kernel that
+    never writes dg or du; elsewhere `swiglu_grads_reference`, then grad_output's quantization."""
+    p = LinearPlan.parse(plan)
+    dh, g, u = dh.contiguous(), g.contiguous(), u.contiguous()
+    if kernels and _swiglu_kernel_applies(p, p.g, p.g_t, dh, g, u):
+        if torch.compiler.is_compiling():
+            return _kernels.quantize_swiglu_grads_op(dh, g, u, p.g.fmt.dtype, p.g_t.fmt.dtype, p.pow2, p.g.pad, make_cols)
+        return _kernels.quantize_swiglu_grads(dh, g, u, p.g.fmt, p.g_t.fmt, p.pow2, p.g.pad, make_cols)
+    dg, du = swiglu_grads_reference(dh, g, u)
+    return (*_quantize_activation(dg, p.g, p.g_t, p.pow2, make_cols, p.cublas and kernels),
+            *_quantize_activation(du, p.g, p.g_t, p.pow2, make_cols, p.cublas and kernels))
 
 
 # The custom ops: what torch.compile sees of the three entry points on CPU and with emulated GEMMs. Their
@@ -470,10 +522,44 @@ def _backward_op(dy: Tensor, weight: Tensor, w: Tensor | None, w_scale: Tensor |
 
 
 @_backward_op.register_fake
-def _(dy, weight, w, w_scale, x_saved, x_saved_scale, plan, want_dx, want_dw, dx_dtype):
+def _backward_fake(dy, weight, w, w_scale, x_saved, x_saved_scale, plan, want_dx, want_dw, dx_dtype):
     dx = dy.new_empty((dy.shape[0], weight.shape[1]) if want_dx else (0,), dtype=dx_dtype if want_dx else torch.float32)
     dw = dy.new_empty(tuple(weight.shape) if want_dw else (0,), dtype=torch.float32)
     return dx, dw
+
+
+@torch.library.custom_op("fp8train::linear_backward_gemms", mutates_args=())
+def _backward_gemms_op(g: Tensor, g_scale: Tensor, g_t: Tensor, g_t_scale: Tensor, weight: Tensor, w: Tensor | None,
+                       w_scale: Tensor | None, x_saved: Tensor | None, x_saved_scale: Tensor | None, plan: str,
+                       want_dx: bool, want_dw: bool, dx_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    return _backward_gemms_impl(g, g_scale, g_t, g_t_scale, weight, w, w_scale, x_saved, x_saved_scale, plan, want_dx,
+                                want_dw, dx_dtype)
+
+
+@_backward_gemms_op.register_fake
+def _(g, g_scale, g_t, g_t_scale, weight, w, w_scale, x_saved, x_saved_scale, plan, want_dx, want_dw, dx_dtype):
+    return _backward_fake(g, weight, w, w_scale, x_saved, x_saved_scale, plan, want_dx, want_dw, dx_dtype)
+
+
+@torch.library.custom_op("fp8train::quantize_swiglu", mutates_args=())
+def _quantize_swiglu_op(g: Tensor, u: Tensor, plan: str, make_cols: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return _quantize_swiglu_impl(g, u, plan, make_cols)
+
+
+@_quantize_swiglu_op.register_fake
+def _(g, u, plan, make_cols):
+    return _quantize_swiglu_impl(g, u, plan, make_cols, kernels=False)
+
+
+@torch.library.custom_op("fp8train::quantize_swiglu_grads", mutates_args=())
+def _quantize_swiglu_grads_op(dh: Tensor, g: Tensor, u: Tensor, plan: str, make_cols: bool) -> tuple[
+        Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return _quantize_swiglu_grads_impl(dh, g, u, plan, make_cols)
+
+
+@_quantize_swiglu_grads_op.register_fake
+def _(dh, g, u, plan, make_cols):
+    return _quantize_swiglu_grads_impl(dh, g, u, plan, make_cols, kernels=False)
 
 
 def _opaque(plan: LinearPlan) -> bool:
@@ -500,3 +586,23 @@ def linear_backward(dy: Tensor, weight: Tensor, w: Tensor | None, w_scale: Tenso
     """grad_input (in dx_dtype; empty unless wanted) and grad_weight (FP32; empty unless wanted)."""
     return (_backward_op if _opaque(plan) else _backward_impl)(dy, weight, w, w_scale, x_saved, x_saved_scale,
                                                                plan.key, want_dx, want_dw, dx_dtype)
+
+
+def linear_backward_gemms(g: Tensor, g_scale: Tensor, g_t: Tensor, g_t_scale: Tensor, weight: Tensor, w: Tensor | None,
+                          w_scale: Tensor | None, x_saved: Tensor | None, x_saved_scale: Tensor | None, plan: LinearPlan,
+                          want_dx: bool, want_dw: bool, dx_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """`linear_backward` from grad_output's operands made by its producer (`quantize_swiglu_grads`)."""
+    return (_backward_gemms_op if _opaque(plan) else _backward_gemms_impl)(
+        g, g_scale, g_t, g_t_scale, weight, w, w_scale, x_saved, x_saved_scale, plan.key, want_dx, want_dw, dx_dtype)
+
+
+def quantize_swiglu(g: Tensor, u: Tensor, plan: LinearPlan, make_cols: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The operands of h = silu(g) * u as the input of a Linear with `plan` (`quantize_input` of
+    `swiglu_reference(g, u)`, without h written on CUDA)."""
+    return (_quantize_swiglu_op if _opaque(plan) else _quantize_swiglu_impl)(g, u, plan.key, make_cols)
+
+
+def quantize_swiglu_grads(dh: Tensor, g: Tensor, u: Tensor, plan: LinearPlan, make_cols: bool) -> tuple[Tensor, ...]:
+    """The grad_output operands of the gate and up Linears (`plan`) from the SwiGLU's output gradient dh:
+    dg's rows, scale, cols, scale, then du's (of `swiglu_grads_reference`; dg and du not written on CUDA)."""
+    return (_quantize_swiglu_grads_op if _opaque(plan) else _quantize_swiglu_grads_impl)(dh, g, u, plan.key, make_cols)

@@ -102,6 +102,11 @@ class Fp8Recipe:
     saves) are saved for backward as E4M3 1x128 tiles instead of BF16 (COAT's trick), halving their memory;
     the backward's SiLU and product derivatives then read their dequantized values. The forward is unchanged.
     Off in the paper's recipe (docs/fidelity.md has its gradient error)."""
+    fuse_swiglu: bool = True
+    """A SwiGLU MLP of converted projections runs as one piece (fp8train.fp8.swiglu): the down projection's
+    input quantized in the kernel that computes silu(g) * u, and the gate and up projections' output gradients
+    in the kernel that computes the SwiGLU's derivatives, so neither activation is written in BF16 and read
+    again. The same BF16 arithmetic (bit for bit on the CPU); on CUDA SiLU's exp is libdevice's, as torch's."""
     deep_gemm: bool = False
     """The tile x block GEMMs (output and grad_input, BF16 out) run on DeepGEMM's SM90 kernel instead of
     cuBLAS's where they run on cuBLAS: the same products (bit-identical on the H200), up to 21% faster per GEMM
@@ -144,11 +149,12 @@ _RECIPES = {
 
 
 def make_recipe(name: "str | RecipeName | Fp8Recipe" = "hybrid", *, pow2_scale: bool | None = None,
-                swiglu_inputs_fp8: bool | None = None, deep_gemm: bool | None = None) -> Fp8Recipe:
+                swiglu_inputs_fp8: bool | None = None, deep_gemm: bool | None = None,
+                fuse_swiglu: bool | None = None) -> Fp8Recipe:
     """The frozen recipe for `name` ('hybrid', 'tensorwise', 'rowwise' or 'bf16'); a knob given (not None)
     replaces the named recipe's value."""
     knobs = {k: bool(v) for k, v in (("pow2_scale", pow2_scale), ("swiglu_inputs_fp8", swiglu_inputs_fp8),
-                                     ("deep_gemm", deep_gemm)) if v is not None}
+                                     ("deep_gemm", deep_gemm), ("fuse_swiglu", fuse_swiglu)) if v is not None}
     if isinstance(name, Fp8Recipe):
         return replace(name, **knobs) if knobs else name
     try:

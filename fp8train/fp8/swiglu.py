@@ -1,19 +1,29 @@
-"""The SwiGLU MLP with its inputs saved for backward in FP8 (the recipe's `swiglu_inputs_fp8`).
+"""The SwiGLU MLP converted as one piece: its activation quantized inside its producers, its inputs
+optionally saved in FP8.
 
-A Llama/Qwen2 MLP computes `down_proj(silu(gate_proj(x)) * up_proj(x))`. For backward, autograd keeps
-the SwiGLU's two inputs g = gate_proj(x) and u = up_proj(x), [tokens, intermediate] each in BF16: at
-Qwen2.5-7B that is 75 KB per token per layer, the largest activation a decoder layer saves. Here they are
-saved as E4M3 1x128 tiles (the recipe's input operand, with its scales: COAT's trick), half the bytes:
+A Llama/Qwen2 MLP computes `down_proj(silu(gate_proj(x)) * up_proj(x))`. Run as three FP8Linears, the
+SwiGLU output h = silu(g) * u ([tokens, intermediate], the widest activation) is written in BF16 only for
+the down projection's quantization to read it again, and in the backward the SwiGLU's input gradients
+dg and du are written in BF16 only for the gate and up projections to quantize them. `FP8SwiGLUMLP` fuses
+both (the recipe's `fuse_swiglu`, the default):
 
-    forward    h = silu(g) * u                      BF16, exactly as the Hugging Face module computes it
-               save Q(g), Q(u)                      the same quantization as an FP8Linear input's rows
-    backward   g~, u~ = dequantize(Q(g), Q(u))
-               grad_u = dh * silu(g~)               as autograd's mul and silu backward compute them,
-               grad_g = silu_backward(dh * u~, g~)  on the dequantized values
+    forward    x -> FP8 rows (+ input.T) once -> g, u GEMMs (BF16)
+               h's FP8 rows (+ h.T) made from g and u in one kernel    (h never written)
+               down GEMM from those operands
+    backward   dh = down's grad_input (BF16)
+               dg's and du's FP8 rows (+ their .T) made from dh, g, u in one kernel (dg, du never written)
+               gate's and up's grad_input (summed) and grad_weight GEMMs from those operands
 
-The forward is unchanged; the backward's derivatives read values off by E4M3's rounding (relative
-2^-4 at most). `FP8SwiGLUMLP` takes the place of such an MLP module, keeping its children (and so
-every parameter name); `convert_to_fp8` swaps it in when the recipe asks.
+with the same BF16 arithmetic (`ops.swiglu_reference`, `ops.swiglu_grads_reference`): on the CPU bit for
+bit the three FP8Linears' numbers; on CUDA the kernel computes SiLU in FP32 as torch does and rounds to
+BF16 where autograd's ops round. With `swiglu_inputs_fp8`, g and u are saved for backward as E4M3 1x128
+tiles instead of BF16 (COAT's trick), half the bytes (at Qwen2.5-7B 75 KB per token per layer in BF16, the
+largest activation a decoder layer saves); the backward's derivatives then read their dequantized values
+(off by E4M3's rounding, relative 2^-4 at most).
+
+The module keeps the replaced MLP's children (and so every parameter name); `convert_to_fp8` swaps it in.
+Where a projection is no plain FP8Linear any more (PEFT wraps it), tracks FP8 health, or has its weight
+frozen to FP8 or gathered by FSDP in FP8, it runs the three Linears as they are.
 """
 
 from __future__ import annotations
@@ -70,9 +80,51 @@ def swiglu_mlp_applies(module: nn.Module) -> bool:
             and len({m.recipe for m in linears}) == 1)
 
 
+class _GateUpSwiGLUFn(torch.autograd.Function):
+    """The gate and up Linears and the SwiGLU: returns h's FP8 operands for the down projection and a stand-in
+    for h (its shape, dtype and autograd edge: the down projection's grad_input arrives there as dh)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, w_gate: Tensor, w_up: Tensor, wg: Tensor | None, wg_scale: Tensor | None,
+                wu: Tensor | None, wu_scale: Tensor | None, plan: LinearPlan, out_dtype: torch.dtype, h_cols: bool,
+                save_fp8: bool) -> tuple[Tensor, ...]:
+        x2d = x.reshape(-1, x.shape[-1])
+        want_dw = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
+        xr, xr_s, xc, xc_s = ops.quantize_input(x2d.detach(), plan, want_dw and not plan.x_t_from_fp8)
+        g = ops.linear_forward(xr, xr_s, w_gate.detach(), wg, wg_scale, plan, out_dtype)
+        u = ops.linear_forward(xr, xr_s, w_up.detach(), wu, wu_scale, plan, out_dtype)
+        h_ops = ops.quantize_swiglu(g, u, plan, h_cols)
+        x_saved = ((xr, xr_s) if plan.x_t_from_fp8 else (xc, xc_s)) if want_dw else (None, None)
+        saved_gu = [g, None, u, None]
+        if save_fp8:  # rows only: the down projection's input quantization applied to g and u
+            saved_gu = [*ops.quantize_input(g, plan, False)[:2], *ops.quantize_input(u, plan, False)[:2]]
+        ctx.save_for_backward(w_gate, w_up, wg, wg_scale, wu, wu_scale, *x_saved, *saved_gu)
+        ctx.plan, ctx.x_shape, ctx.x_dtype, ctx.gu_shape, ctx.gu_dtype = plan, x.shape, x.dtype, g.shape, g.dtype
+        standin = g.new_empty_strided((*x.shape[:-1], g.shape[-1]), (0,) * x.dim())
+        ctx.mark_non_differentiable(*h_ops)
+        return (standin, *h_ops)
+
+    @staticmethod
+    def backward(ctx, dh: Tensor, *_):
+        w_gate, w_up, wg, wg_scale, wu, wu_scale, x_saved, x_saved_scale, g, g_scale, u, u_scale = ctx.saved_tensors
+        p, (M, I) = ctx.plan, ctx.gu_shape
+        if g_scale is not None:
+            g = ops.dequantize_operand(g, g_scale, p.x)[:, :I].to(ctx.gu_dtype)
+            u = ops.dequantize_operand(u, u_scale, p.x)[:, :I].to(ctx.gu_dtype)
+        want_dx, want_dwg, want_dwu = ctx.needs_input_grad[:3]
+        grads = ops.quantize_swiglu_grads(dh.reshape(M, I), g, u, p, want_dwg or want_dwu)
+        dxg, dwg = ops.linear_backward_gemms(*grads[:4], w_gate.detach(), wg, wg_scale, x_saved, x_saved_scale, p,
+                                             want_dx, want_dwg, ctx.x_dtype)
+        dxu, dwu = ops.linear_backward_gemms(*grads[4:], w_up.detach(), wu, wu_scale, x_saved, x_saved_scale, p,
+                                             want_dx, want_dwu, ctx.x_dtype)
+        return ((dxg + dxu).view(ctx.x_shape) if want_dx else None, dwg.to(w_gate.dtype) if want_dwg else None,
+                dwu.to(w_up.dtype) if want_dwu else None, None, None, None, None, None, None, None, None)
+
+
 class FP8SwiGLUMLP(nn.Module):
-    """`down_proj(silu(gate_proj(x)) * up_proj(x))` with the SwiGLU's inputs saved in FP8 (module docstring).
-    Holds the replaced MLP's children under their names, so state dicts and adapters see the same model."""
+    """`down_proj(silu(gate_proj(x)) * up_proj(x))` with the SwiGLU fused into its FP8 producers and/or its
+    inputs saved in FP8 (module docstring). Holds the replaced MLP's children under their names, so state
+    dicts and adapters see the same model."""
 
     def __init__(self, mlp: nn.Module):
         super().__init__()
@@ -84,11 +136,30 @@ class FP8SwiGLUMLP(nn.Module):
         self.recipe = mlp.down_proj.recipe
         self._plans = {c: LinearPlan.of(self.recipe, c) for c in (False, True)}
 
+    def _fusable(self) -> bool:
+        """Whether the three projections are still plain FP8Linears the fused path may run (module docstring)."""
+        linears = (self.gate_proj, self.up_proj, self.down_proj)
+        return (self.recipe.fuse_swiglu and all(isinstance(m, FP8Linear) for m in linears)
+                and not any(m.tracking_health or m.frozen or hasattr(m.weight, "fp8_operand") for m in linears))
+
     def forward(self, x: Tensor) -> Tensor:
+        down = self.down_proj
+        if self._fusable():
+            plan = down.plan(x)
+            dev = x.device.type
+            out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+            grad = torch.is_grad_enabled()
+            h_cols = grad and down.weight.requires_grad and not plan.x_t_from_fp8
+            h, *h_ops = _GateUpSwiGLUFn.apply(x, self.gate_proj.weight, self.up_proj.weight,
+                                              *self.gate_proj.weight_operand(plan), *self.up_proj.weight_operand(plan),
+                                              plan, out_dtype, h_cols, self.recipe.swiglu_inputs_fp8 and grad)
+            return down.forward_quantized(h, *h_ops)
         g, u = self.gate_proj(x), self.up_proj(x)
-        if not torch.is_grad_enabled() or not (g.requires_grad or u.requires_grad):
-            return self.down_proj(F.silu(g) * u)
-        return self.down_proj(_SwiGLUFn.apply(g, u, self._plans[runs_on_cublas(g, self.recipe)]))
+        if not self.recipe.swiglu_inputs_fp8 or not torch.is_grad_enabled() or not (g.requires_grad or u.requires_grad):
+            return down(F.silu(g) * u)
+        return down(_SwiGLUFn.apply(g, u, self._plans[runs_on_cublas(g, self.recipe)]))
 
     def extra_repr(self) -> str:
-        return f"{self.mlp_class}, SwiGLU inputs saved in FP8"
+        what = [w for w, on in (("SwiGLU fused into its FP8 producers", self.recipe.fuse_swiglu),
+                                ("SwiGLU inputs saved in FP8", self.recipe.swiglu_inputs_fp8)) if on]
+        return f"{self.mlp_class}, {', '.join(what)}"

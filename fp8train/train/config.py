@@ -122,6 +122,10 @@ class TrainConfig:
     swiglu_inputs_fp8: bool = False
     """Save the MLP's SwiGLU inputs (gate and up outputs) for backward as FP8 1x128 tiles instead of BF16:
     less activation memory, the backward's SwiGLU derivative from FP8-rounded values (docs/fidelity.md)."""
+    fuse_swiglu: bool = True
+    """Run each SwiGLU MLP as one piece: the down projection's FP8 input made in the kernel that computes
+    silu(gate) * up, the gate and up projections' FP8 output gradients in the one that computes its derivatives
+    (neither written in BF16 and read again). The same BF16 arithmetic; false: three separate FP8 Linears."""
     deep_gemm: bool = False
     """Run the hybrid recipe's output and grad_input GEMMs on DeepGEMM's SM90 kernel instead of cuBLAS's: the
     same numbers, 2% faster steps at Qwen2.5-7B, 5% for LoRA (docs/benchmarks.md section 0a, which says how to

@@ -120,7 +120,7 @@ def _truncate_to_bf16(x):
 
 def _producer_failures() -> list:
     """The SwiGLU producers (PRODUCER 1: h = silu(g) * u; 2: dg and du), bit for bit against the formulas
-    written out here in FP32 torch ops (exp: numpy's, as the interpreter's), rounded to BF16 where autograd's
+    written out here in FP32 torch ops (the sigmoid's exp: numpy's, as the interpreter's), rounded to BF16 where autograd's
     BF16 ops round (as the interpreter rounds), then the reference quantization."""
     g0 = torch.Generator().manual_seed(1)
     M, I = 257, 384
@@ -128,9 +128,8 @@ def _producer_failures() -> list:
     g[0, :5] = torch.tensor([0.0, -0.0, 80.0, -80.0, 1e-30])
     r = _truncate_to_bf16
     gf, uf, dhf = g.float(), u.float(), dh.float()
-    e = torch.from_numpy(numpy.exp(-gf.numpy()))  # the interpreter's exp (the GPU's is libdevice's, as torch's)
-    silu = r(gf / (1 + e))
-    sig = 1 / (1 + e)
+    sig = 1 / (1 + torch.from_numpy(numpy.exp(-gf.numpy())))  # tl.sigmoid as the interpreter computes it
+    silu = r(gf * sig)
     refs = {"h": r(silu * uf), "dg": r(r(dhf * uf) * sig * (1 + gf * (1 - sig))), "du": r(dhf * silu)}
     fmt = Fp8Format.E4M3
     fake = SimpleNamespace(dtype=torch.float32, max=fmt.max)
@@ -139,9 +138,12 @@ def _producer_failures() -> list:
         got = {"h": tq.quantize_swiglu(g, u, fake, fake, pow2, 512)}
         grads = tq.quantize_swiglu_grads(dh, g, u, fake, fake, pow2, 512)
         got["dg"], got["du"] = grads[:4], grads[4:]
+        one_launch = tq.quantize_swiglu_grads(dh, g, u, fake, fake, pow2, 512, launches=1)
+        got["dg one launch"], got["du one launch"] = one_launch[:4], one_launch[4:]
         for name, (qr, sr, qc, sc) in got.items():  # the ops' layout: scales [blocks, rows]
-            rr, rs = _pre_conversion(refs[name], fmt, pow2)
-            cr, cs = _pre_conversion(refs[name].t(), fmt, pow2)
+            ref = refs[name.split()[0]]
+            rr, rs = _pre_conversion(ref, fmt, pow2)
+            cr, cs = _pre_conversion(ref.t(), fmt, pow2)
             ok = torch.equal(_bits(qr[:, :I]), _bits(rr)) and torch.equal(_bits(sr.t()[:, :rs.shape[1]]), _bits(rs))
             ok &= torch.equal(_bits(qc[:, :M]), _bits(cr)) and torch.equal(_bits(sc.t()[:, :cs.shape[1]]), _bits(cs))
             ok &= not qr[:, I:].any() and not qc[:, M:].any()
@@ -179,8 +181,9 @@ def compile_sm90() -> dict:
     for pow2 in (True, False):  # power-of-two scales (the default) and exact ones
         for cols in (True, False):
             for name, producer, outputs, warps in (("activation", 0, 1, tq._NUM_WARPS),
-                                                   ("swiglu", 1, 1, tq._PRODUCER_WARPS),
-                                                   ("swiglu grads", 2, 2, tq._PRODUCER_WARPS)):
+                                                   ("swiglu h", 1, 1, tq._PRODUCER_WARPS),
+                                                   ("swiglu dg", 2, 1, tq._PRODUCER_WARPS),
+                                                   ("swiglu du", 3, 1, tq._PRODUCER_WARPS)):
                 consts = dict(ROW_MAX=448.0, COL_MAX=448.0, POW2=pow2, COLS=cols, BF16=True, BLOCK=128,
                               PRODUCER=producer, OUTPUTS=outputs)
                 k = triton.compile(ASTSource(tq._act_kernel, act_sig, consts, aligned), target=target,

@@ -38,17 +38,16 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from .quant import FP32_TINY, round_up
 from .recipe import Fp8Format
 
 _SIDE = 128  # elements along each side of a scaling tile or block
 _NUM_WARPS = 8
-_PRODUCER_WARPS = 16  # the SwiGLU producers' FP32 arithmetic: 32 elements a thread keeps them within 128 registers
+_PRODUCER_WARPS = 8
+_GRAD_LAUNCHES = 2
 _FP32_TINY = tl.constexpr(FP32_TINY)
 _INF_BITS = tl.constexpr(0x7F800000)
-_INTERPRETED = tl.constexpr(bool(triton.knobs.runtime.interpret))  # fixed when the kernels are defined, as jit's choice
 
 
 @triton.jit
@@ -115,21 +114,6 @@ def _quant(x, inv):
 
 
 @triton.jit
-def _exp(x):
-    """exp in FP32: libdevice's expf, the one torch's CUDA kernels call (tl.exp is a faster approximation);
-    Triton's interpreter (the CPU checks) has no libdevice and uses numpy's."""
-    if _INTERPRETED:
-        return tl.exp(x)
-    return libdevice.exp(x)
-
-
-@triton.jit
-def _silu(g):
-    """SiLU in FP32 as torch computes it, g / (1 + exp(-g)), with an IEEE division."""
-    return tl.div_rn(g, 1.0 + _exp(-g))
-
-
-@triton.jit
 def _bf16(x):
     """Rounded to BF16 and widened back: where autograd's BF16 ops round."""
     return x.to(tl.bfloat16).to(tl.float32)
@@ -137,22 +121,26 @@ def _bf16(x):
 
 @triton.jit
 def _swiglu(g, u):
-    """h = silu(g) * u as the BF16 forward computes it: bf16(bf16(silu(g)) * u)."""
-    return (_bf16(_silu(g.to(tl.float32))) * u.to(tl.float32)).to(tl.bfloat16)
+    """h = silu(g) * u rounded as the BF16 forward rounds: bf16(bf16(g * sigmoid(g)) * u). SiLU as inductor
+    computes it (Triton's sigmoid: the GPU's fast exp and division), not bit for bit torch's eager kernel:
+    the FP8 bytes differ from those of eager's h in about 1e-5 of the values (tests/test_gpu.py)."""
+    g = g.to(tl.float32)
+    return (_bf16(g * tl.sigmoid(g)) * u.to(tl.float32)).to(tl.bfloat16)
 
 
 @triton.jit
-def _swiglu_grad_gate(dh, g, u):
-    """dg = silu_backward(bf16(dh * u), g) in torch's order: dy * sig * (1 + g * (1 - sig))."""
+def _swiglu_grad_gate(dsilu, g):
+    """dg = silu_backward(dsilu, g) in torch's order, dsilu * sig * (1 + g * (1 - sig)); dsilu = bf16(dh * u)."""
     g = g.to(tl.float32)
-    sig = tl.div_rn(1.0, 1.0 + _exp(-g))
-    return (_bf16(dh.to(tl.float32) * u.to(tl.float32)) * sig * (1.0 + g * (1.0 - sig))).to(tl.bfloat16)
+    sig = tl.sigmoid(g)
+    return (dsilu.to(tl.float32) * sig * (1.0 + g * (1.0 - sig))).to(tl.bfloat16)
 
 
 @triton.jit
 def _swiglu_grad_up(dh, g):
     """du = bf16(dh * bf16(silu(g)))."""
-    return (dh.to(tl.float32) * _bf16(_silu(g.to(tl.float32)))).to(tl.bfloat16)
+    g = g.to(tl.float32)
+    return (dh.to(tl.float32) * _bf16(g * tl.sigmoid(g))).to(tl.bfloat16)
 
 
 @triton.jit
@@ -167,8 +155,9 @@ def _act_kernel(
     PRODUCER: tl.constexpr, OUTPUTS: tl.constexpr,
 ):
     """Quantizes a tile of x itself (PRODUCER 0), of h = silu(g) * u (1: the down projection's input, made
-    here from the gate and up outputs, never written in BF16), or of the SwiGLU's two input gradients dg
-    and du (2: from dh, g, u; OUTPUTS 2, the second read of dh and g hits L2)."""
+    here from the gate and up outputs, never written in BF16), of the SwiGLU's input gradient dg (2: from dh,
+    g, u) or du (3: from dh, g). OUTPUTS 2 makes PRODUCER's tile, then PRODUCER + 1's into the second copies
+    (dg and du in one launch: the second read of dh and g hits L2)."""
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = pid_m * BLOCK + tl.arange(0, BLOCK)
@@ -182,15 +171,15 @@ def _act_kernel(
             q_rows, s_rows, q_cols, s_cols = qr2_ptr, sr2_ptr, qc2_ptr, sc2_ptr
         offs = offs_m[:, None] * stride_xm + offs_k[None, :]
         mask = in_m[:, None] & in_k[None, :]
-        x = tl.load(x_ptr + offs, mask=mask, other=0.0)  # BF16 stays BF16 until the multiply
-        if PRODUCER == 1:  # x is g, y is u (loads stay here: see the module docstring on pointers)
+        # loads stay in this body (see the module docstring on pointers); BF16 stays BF16 until the multiply
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+        if PRODUCER + which == 1:  # x is g, y is u
             x = _swiglu(x, tl.load(y_ptr + offs, mask=mask, other=0.0))
-        if PRODUCER == 2:  # x is dh, y is g, z is u
-            if which == 0:
-                x = _swiglu_grad_gate(x, tl.load(y_ptr + offs, mask=mask, other=0.0),
-                                      tl.load(z_ptr + offs, mask=mask, other=0.0))
-            else:
-                x = _swiglu_grad_up(x, tl.load(y_ptr + offs, mask=mask, other=0.0))
+        if PRODUCER + which == 2:  # x is dh, y is g, z is u
+            x = (x.to(tl.float32) * tl.load(z_ptr + offs, mask=mask, other=0.0).to(tl.float32)).to(tl.bfloat16)
+            x = _swiglu_grad_gate(x, tl.load(y_ptr + offs, mask=mask, other=0.0))
+        if PRODUCER + which == 3:  # x is dh, y is g
+            x = _swiglu_grad_up(x, tl.load(y_ptr + offs, mask=mask, other=0.0))
         if not BF16:
             x = x.to(tl.float32)
         # both amaxes first, so that the |x| bit patterns die before the quantized copies are made. Exact scales
@@ -322,10 +311,14 @@ def quantize_swiglu(g, u, row_fmt, col_fmt, pow2: bool, pad: int, cols: bool = T
 
 
 def quantize_swiglu_grads(dh, g, u, row_fmt, col_fmt, pow2: bool, pad: int, cols: bool = True,
-                          num_warps: int = _PRODUCER_WARPS, _traced: bool = False):
+                          num_warps: int = _PRODUCER_WARPS, launches: int = _GRAD_LAUNCHES, _traced: bool = False):
     """The tiles of the SwiGLU's input gradients from BF16 dh, g, u [M, I]: dg's four tensors, then du's (as
-    `quantize_swiglu` returns them)."""
-    dg, du = _quantize_tiles(dh, (g, u), 2, 2, row_fmt, col_fmt, pow2, pad, cols, num_warps, _traced)
+    `quantize_swiglu` returns them); in one launch (dh and g read twice, the second time from L2) or two."""
+    if launches == 1:
+        dg, du = _quantize_tiles(dh, (g, u), 2, 2, row_fmt, col_fmt, pow2, pad, cols, num_warps, _traced)
+    else:
+        dg = _quantize_tiles(dh, (g, u), 2, 1, row_fmt, col_fmt, pow2, pad, cols, num_warps, _traced)[0]
+        du = _quantize_tiles(dh, (g,), 3, 1, row_fmt, col_fmt, pow2, pad, cols, num_warps, _traced)[0]
     return (*_ops_layout(dg, dh), *_ops_layout(du, dh))
 
 

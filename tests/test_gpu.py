@@ -362,7 +362,7 @@ def test_fused_swiglu_kernels_equal_torch_on_cuda():
     activation kernel: h = silu(g) * u, dg and du quantized, rows and cols. BF16 rounding where autograd
     rounds, the sigmoid as inductor computes it (the GPU's fast exp and division, a few FP32 ulps from torch's
     eager kernel): the FP8 bytes and scales match but for at most 1e-4 of them (a last-bit difference crossing
-    a rounding boundary; the count is in the message). One launch for dg and du computes two launches' bytes."""
+    a rounding boundary; the count is in the message)."""
     from fp8train.fp8 import ops as _ops
 
     torch.manual_seed(0)
@@ -382,12 +382,6 @@ def test_fused_swiglu_kernels_equal_torch_on_cuda():
             assert a.shape == b.shape and a.dtype == b.dtype, (name, what)
             differ = int((a.view(torch.uint8) != b.view(torch.uint8)).sum()) if a.element_size() == 1 else int((a != b).sum())
             assert differ <= 1e-4 * a.numel(), f"{name} {what}: {differ} of {a.numel()} differ"
-    from fp8train.fp8 import kernels
-
-    fmt = Fp8Format.E4M3
-    one = kernels.quantize_swiglu_grads(dh, g, u, fmt, fmt, True, 512, launches=1, num_warps=16)
-    assert all(torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a,
-                           b.view(torch.uint8) if b.element_size() == 1 else b) for a, b in zip(one, grads))
     rows_only = _ops.quantize_swiglu(g, u, plan, False)
     assert torch.equal(rows_only[0].view(torch.uint8), gots[0][0].view(torch.uint8)) and rows_only[2].numel() == 0
 

@@ -44,8 +44,6 @@ from .recipe import Fp8Format
 
 _SIDE = 128  # elements along each side of a scaling tile or block
 _NUM_WARPS = 8
-_PRODUCER_WARPS = 8
-_GRAD_LAUNCHES = 2
 _FP32_TINY = tl.constexpr(FP32_TINY)
 _INF_BITS = tl.constexpr(0x7F800000)
 
@@ -149,65 +147,58 @@ def _act_kernel(
     qr_ptr, sr_ptr, Kp,        # rows copy [M, Kp], scales [Kp/128, M]
     qc_ptr, sc_ptr, Mp,        # cols copy [K, Mp], scales [Mp/128, K]
     y_ptr, z_ptr,              # the producer's other inputs (x's shape and strides)
-    qr2_ptr, sr2_ptr, qc2_ptr, sc2_ptr,  # the second tile's copies (OUTPUTS == 2)
     ROW_MAX: tl.constexpr, COL_MAX: tl.constexpr,  # the copies' dtypes are their pointers'
-    POW2: tl.constexpr, COLS: tl.constexpr, BF16: tl.constexpr, BLOCK: tl.constexpr,
-    PRODUCER: tl.constexpr, OUTPUTS: tl.constexpr,
+    POW2: tl.constexpr, COLS: tl.constexpr, BF16: tl.constexpr, BLOCK: tl.constexpr, PRODUCER: tl.constexpr,
 ):
     """Quantizes a tile of x itself (PRODUCER 0), of h = silu(g) * u (1: the down projection's input, made
     here from the gate and up outputs, never written in BF16), of the SwiGLU's input gradient dg (2: from dh,
-    g, u) or du (3: from dh, g). OUTPUTS 2 makes PRODUCER's tile, then PRODUCER + 1's into the second copies
-    (dg and du in one launch: the second read of dh and g hits L2)."""
+    g, u) or du (3: from dh, g). (dg and du in one launch, reading dh and g once, measured slower: the two
+    tiles need twice the registers.)"""
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = pid_m * BLOCK + tl.arange(0, BLOCK)
     offs_k = pid_k * BLOCK + tl.arange(0, BLOCK)
     in_m = offs_m < M
     in_k = offs_k < K
-    for which in tl.static_range(OUTPUTS):
-        if which == 0:
-            q_rows, s_rows, q_cols, s_cols = qr_ptr, sr_ptr, qc_ptr, sc_ptr
-        else:
-            q_rows, s_rows, q_cols, s_cols = qr2_ptr, sr2_ptr, qc2_ptr, sc2_ptr
-        offs = offs_m[:, None] * stride_xm + offs_k[None, :]
-        mask = in_m[:, None] & in_k[None, :]
-        # loads stay in this body (see the module docstring on pointers); BF16 stays BF16 until the multiply
-        x = tl.load(x_ptr + offs, mask=mask, other=0.0)
-        if PRODUCER + which == 1:  # x is g, y is u
-            x = _swiglu(x, tl.load(y_ptr + offs, mask=mask, other=0.0))
-        if PRODUCER + which == 2:  # x is dh, y is g, z is u
-            x = (x.to(tl.float32) * tl.load(z_ptr + offs, mask=mask, other=0.0).to(tl.float32)).to(tl.bfloat16)
-            x = _swiglu_grad_gate(x, tl.load(y_ptr + offs, mask=mask, other=0.0))
-        if PRODUCER + which == 3:  # x is dh, y is g
-            x = _swiglu_grad_up(x, tl.load(y_ptr + offs, mask=mask, other=0.0))
-        if not BF16:
-            x = x.to(tl.float32)
-        # both amaxes first, so that the |x| bit patterns die before the quantized copies are made. Exact scales
-        # divide (scale and reciprocal): their scales are made only after |x| is dead, the cols' after the rows'
-        # store, which keeps the two-copy launch at 128 registers (168 in pow2's order, which stays as measured).
-        ax = _abs_bits(x, BF16)
-        amax_r = _amax_bits(ax, 1, BF16)  # one per (token, 128 features)
+    offs = offs_m[:, None] * stride_xm + offs_k[None, :]
+    mask = in_m[:, None] & in_k[None, :]
+    # loads stay in this body (see the module docstring on pointers); BF16 stays BF16 until the multiply
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    if PRODUCER == 1:  # x is g, y is u
+        x = _swiglu(x, tl.load(y_ptr + offs, mask=mask, other=0.0))
+    if PRODUCER == 2:  # x is dh, y is g, z is u: dh * u first, so that dh and u die before g's tile is read
+        x = (x.to(tl.float32) * tl.load(z_ptr + offs, mask=mask, other=0.0).to(tl.float32)).to(tl.bfloat16)
+        x = _swiglu_grad_gate(x, tl.load(y_ptr + offs, mask=mask, other=0.0))
+    if PRODUCER == 3:  # x is dh, y is g
+        x = _swiglu_grad_up(x, tl.load(y_ptr + offs, mask=mask, other=0.0))
+    if not BF16:
+        x = x.to(tl.float32)
+    # both amaxes first, so that the |x| bit patterns die before the quantized copies are made. Exact scales
+    # divide (scale and reciprocal): their scales are made only after |x| is dead, the cols' after the rows'
+    # store, which keeps the two-copy launch at 128 registers (168 in pow2's order, which stays as measured).
+    ax = _abs_bits(x, BF16)
+    amax_r = _amax_bits(ax, 1, BF16)  # one per (token, 128 features)
+    if POW2:
+        s_r = _scale_from_amax_bits(amax_r, ROW_MAX, POW2)
+    if COLS:
+        amax_c = _amax_bits(ax, 0, BF16)  # one per (feature, 128 tokens)
         if POW2:
-            s_r = _scale_from_amax_bits(amax_r, ROW_MAX, POW2)
-        if COLS:
-            amax_c = _amax_bits(ax, 0, BF16)  # one per (feature, 128 tokens)
-            if POW2:
-                s_c = _scale_from_amax_bits(amax_c, COL_MAX, POW2)
+            s_c = _scale_from_amax_bits(amax_c, COL_MAX, POW2)
+    if not POW2:
+        s_r = _scale_from_amax_bits(amax_r, ROW_MAX, POW2)
+
+    q_r = _quant(x, _inverse(s_r, POW2)[:, None])
+    tl.store(qr_ptr + offs_m[:, None] * Kp + offs_k[None, :], q_r.to(qr_ptr.dtype.element_ty),
+             mask=in_m[:, None] & (offs_k < Kp)[None, :])
+    tl.store(sr_ptr + pid_k * M + offs_m, s_r, mask=in_m & (pid_k * BLOCK < Kp))
+
+    if COLS:  # the cols copy is stored transposed, [K, Mp]
         if not POW2:
-            s_r = _scale_from_amax_bits(amax_r, ROW_MAX, POW2)
-
-        q_r = _quant(x, _inverse(s_r, POW2)[:, None])
-        tl.store(q_rows + offs_m[:, None] * Kp + offs_k[None, :], q_r.to(q_rows.dtype.element_ty),
-                 mask=in_m[:, None] & (offs_k < Kp)[None, :])
-        tl.store(s_rows + pid_k * M + offs_m, s_r, mask=in_m & (pid_k * BLOCK < Kp))
-
-        if COLS:  # the cols copy is stored transposed, [K, Mp]
-            if not POW2:
-                s_c = _scale_from_amax_bits(amax_c, COL_MAX, POW2)
-            q_c = _quant(x, _inverse(s_c, POW2)[None, :]).to(q_cols.dtype.element_ty)
-            tl.store(q_cols + offs_k[:, None] * Mp + offs_m[None, :], tl.trans(q_c),
-                     mask=in_k[:, None] & (offs_m < Mp)[None, :])
-            tl.store(s_cols + pid_m * K + offs_k, s_c, mask=in_k & (pid_m * BLOCK < Mp))
+            s_c = _scale_from_amax_bits(amax_c, COL_MAX, POW2)
+        q_c = _quant(x, _inverse(s_c, POW2)[None, :]).to(qc_ptr.dtype.element_ty)
+        tl.store(qc_ptr + offs_k[:, None] * Mp + offs_m[None, :], tl.trans(q_c),
+                 mask=in_k[:, None] & (offs_m < Mp)[None, :])
+        tl.store(sc_ptr + pid_m * K + offs_k, s_c, mask=in_k & (pid_m * BLOCK < Mp))
 
 
 @triton.jit
@@ -263,32 +254,28 @@ def _ops_layout(out, like: torch.Tensor) -> tuple:
     return qr, sr.t(), qc, sc.t()
 
 
-def _quantize_tiles(x2d, others, producer: int, outputs: int, row_fmt, col_fmt, pow2: bool, pad: int, cols: bool,
-                    num_warps: int, traced: bool) -> list:
-    """One launch of `_act_kernel` over x2d [M, K] (and `others`, the producer's other inputs, of its shape);
-    per output tile kind: [rows data, rows scale view, cols data or None, cols scale view or None]."""
+def _quantize_tiles(x2d, others, producer: int, row_fmt, col_fmt, pow2: bool, pad: int, cols: bool,
+                    num_warps: int, traced: bool) -> tuple:
+    """One launch of `_act_kernel` over x2d [M, K] (and `others`, the producer's other inputs, of its shape):
+    (rows data, rows scale view, cols data or None, cols scale view or None)."""
     M, K = x2d.shape
     Kp, Mp = round_up(K, pad), round_up(M, pad)
     dev = x2d.device
-    outs = []
-    for _ in range(outputs):
-        qr = torch.empty(M, Kp, dtype=row_fmt.dtype, device=dev)
-        sr = torch.empty(Kp // _SIDE, M, dtype=torch.float32, device=dev)
-        if cols:
-            outs.append([qr, sr, torch.empty(K, Mp, dtype=col_fmt.dtype, device=dev),
-                         torch.empty(Mp // _SIDE, K, dtype=torch.float32, device=dev)])
-        else:  # dummies: the kernel compiles the cols store out
-            outs.append([qr, sr, qr, sr])
-    m_tiles = -(-max(Mp, M) // _SIDE) if cols else -(-M // _SIDE)
+    qr = torch.empty(M, Kp, dtype=row_fmt.dtype, device=dev)
+    sr = torch.empty(Kp // _SIDE, M, dtype=torch.float32, device=dev)
+    if cols:
+        qc = torch.empty(K, Mp, dtype=col_fmt.dtype, device=dev)
+        sc = torch.empty(Mp // _SIDE, K, dtype=torch.float32, device=dev)
+        m_tiles = -(-max(Mp, M) // _SIDE)
+    else:  # dummies: the kernel compiles the cols store out
+        qc, sc, m_tiles = qr, sr, -(-M // _SIDE)
     grid = (m_tiles, -(-max(Kp, K) // _SIDE))
-    y, z = (list(others) + [x2d, x2d])[:2]  # dummies where the producer reads fewer
-    second = outs[-1]
+    y, z = (*others, x2d, x2d)[:2]  # dummies where the producer reads fewer
     _launcher(_act_kernel, traced)[grid](
-        x2d, M, K, x2d.stride(0), *outs[0][:2], Kp, *outs[0][2:], Mp, y, z, *second,
-        ROW_MAX=row_fmt.max, COL_MAX=col_fmt.max, POW2=pow2, COLS=cols, BF16=x2d.dtype == torch.bfloat16,
-        BLOCK=_SIDE, PRODUCER=producer, OUTPUTS=outputs, num_warps=num_warps,
+        x2d, M, K, x2d.stride(0), qr, sr, Kp, qc, sc, Mp, y, z, ROW_MAX=row_fmt.max, COL_MAX=col_fmt.max,
+        POW2=pow2, COLS=cols, BF16=x2d.dtype == torch.bfloat16, BLOCK=_SIDE, PRODUCER=producer, num_warps=num_warps,
     )
-    return [[qr, sr.t(), qc, sc.t()] if cols else [qr, sr.t(), None, None] for qr, sr, qc, sc in outs]
+    return (qr, sr.t(), qc, sc.t()) if cols else (qr, sr.t(), None, None)
 
 
 def quantize_tiles_and_transpose(x2d, row_fmt, col_fmt, pow2: bool, pad: int, cols: bool = True,
@@ -298,27 +285,23 @@ def quantize_tiles_and_transpose(x2d, row_fmt, col_fmt, pow2: bool, pad: int, co
     `cols=False` skips the transposed copy (no backward will need it) and returns None for it.
     A format is anything with `.dtype` (of the copy) and `.max` (an FP32 dtype gives the values before
     the FP8 conversion: the CPU interpreter checks use it)."""
-    return tuple(_quantize_tiles(x2d, (), 0, 1, row_fmt, col_fmt, pow2, pad, cols, num_warps, _traced)[0])
+    return _quantize_tiles(x2d, (), 0, row_fmt, col_fmt, pow2, pad, cols, num_warps, _traced)
 
 
-def quantize_swiglu(g, u, row_fmt, col_fmt, pow2: bool, pad: int, cols: bool = True,
-                    num_warps: int = _PRODUCER_WARPS, _traced: bool = False):
+def quantize_swiglu(g, u, row_fmt, col_fmt, pow2: bool, pad: int, cols: bool = True, num_warps: int = _NUM_WARPS,
+                    _traced: bool = False):
     """The tiles of h = silu(g) * u from BF16 g, u [M, I], without h ever being written: (rows data, rows
     scale [Ip/128, M], cols data, cols scale [Mp/128, I]), the scales as buffers in the ops' layout (not the
     views `quantize_tiles_and_transpose` returns); no cols: empty tensors."""
-    return tuple(_ops_layout(_quantize_tiles(g, (u,), 1, 1, row_fmt, col_fmt, pow2, pad, cols, num_warps,
-                                             _traced)[0], g))
+    return _ops_layout(_quantize_tiles(g, (u,), 1, row_fmt, col_fmt, pow2, pad, cols, num_warps, _traced), g)
 
 
 def quantize_swiglu_grads(dh, g, u, row_fmt, col_fmt, pow2: bool, pad: int, cols: bool = True,
-                          num_warps: int = _PRODUCER_WARPS, launches: int = _GRAD_LAUNCHES, _traced: bool = False):
+                          num_warps: int = _NUM_WARPS, _traced: bool = False):
     """The tiles of the SwiGLU's input gradients from BF16 dh, g, u [M, I]: dg's four tensors, then du's (as
-    `quantize_swiglu` returns them); in one launch (dh and g read twice, the second time from L2) or two."""
-    if launches == 1:
-        dg, du = _quantize_tiles(dh, (g, u), 2, 2, row_fmt, col_fmt, pow2, pad, cols, num_warps, _traced)
-    else:
-        dg = _quantize_tiles(dh, (g, u), 2, 1, row_fmt, col_fmt, pow2, pad, cols, num_warps, _traced)[0]
-        du = _quantize_tiles(dh, (g,), 3, 1, row_fmt, col_fmt, pow2, pad, cols, num_warps, _traced)[0]
+    `quantize_swiglu` returns them), in two launches."""
+    dg = _quantize_tiles(dh, (g, u), 2, row_fmt, col_fmt, pow2, pad, cols, num_warps, _traced)
+    du = _quantize_tiles(dh, (g,), 3, row_fmt, col_fmt, pow2, pad, cols, num_warps, _traced)
     return (*_ops_layout(dg, dh), *_ops_layout(du, dh))
 
 
@@ -353,17 +336,17 @@ _FORMATS = {f.dtype: f for f in Fp8Format}
 @torch.library.triton_op("fp8train::quantize_tiles", mutates_args=())
 def quantize_tiles_op(x2d: torch.Tensor, row_dtype: torch.dtype, col_dtype: torch.dtype, pow2: bool, pad: int,
                       cols: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return tuple(_ops_layout(quantize_tiles_and_transpose(x2d, _FORMATS[row_dtype], _FORMATS[col_dtype], pow2, pad,
-                                                          cols, _traced=True), x2d))
+    return _ops_layout(quantize_tiles_and_transpose(x2d, _FORMATS[row_dtype], _FORMATS[col_dtype], pow2, pad, cols,
+                                                    _traced=True), x2d)
 
 
-@torch.library.triton_op("fp8train::quantize_swiglu", mutates_args=())
+@torch.library.triton_op("fp8train::quantize_swiglu_tiles", mutates_args=())
 def quantize_swiglu_op(g: torch.Tensor, u: torch.Tensor, row_dtype: torch.dtype, col_dtype: torch.dtype, pow2: bool,
                        pad: int, cols: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return quantize_swiglu(g, u, _FORMATS[row_dtype], _FORMATS[col_dtype], pow2, pad, cols, _traced=True)
 
 
-@torch.library.triton_op("fp8train::quantize_swiglu_grads", mutates_args=())
+@torch.library.triton_op("fp8train::quantize_swiglu_grad_tiles", mutates_args=())
 def quantize_swiglu_grads_op(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, row_dtype: torch.dtype,
                              col_dtype: torch.dtype, pow2: bool, pad: int, cols: bool) -> tuple[
         torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

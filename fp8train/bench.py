@@ -12,7 +12,7 @@ A variant may carry recipe modifiers, for A/B runs in one process: `hybrid+wgrad
 `wgrad_input_from_fp8`: one FP8 copy of each input, input.T re-quantized from it in the backward),
 `hybrid+swiglu_fp8` (`swiglu_inputs_fp8`: the SwiGLU's inputs saved for backward in FP8), `hybrid+deep_gemm`
 (`deep_gemm`: output and grad_input on DeepGEMM's kernel), `hybrid+exact` (`pow2_scale: false`),
-`hybrid+unfused` (`fuse_swiglu: false`: the MLP as three separate FP8 Linears).
+`hybrid+fused` (`fuse_swiglu`: the SwiGLU fused into its FP8 producers).
 `compiled` applies torch.compile to each decoder layer, for every variant alike (the trainer's
 `train.compile`); `cudagraphs` also replays each layer as CUDA graphs (`train.cuda_graphs`). Step time
 is the median of the timed steps after the warm-up; peak memory is torch.cuda.max_memory_allocated over
@@ -43,7 +43,7 @@ __all__ = ["BenchCase", "run_case", "parse_variant", "categorize_profile", "top_
 VARIANTS = ("bf16", "hybrid", "tensorwise", "torchao-tensorwise", "torchao-rowwise")
 # `name+modifier`: (recipe field, value)
 _MODIFIERS = {"wgrad_from_fp8": ("wgrad_input_from_fp8", True), "swiglu_fp8": ("swiglu_inputs_fp8", True),
-              "deep_gemm": ("deep_gemm", True), "exact": ("pow2_scale", False), "unfused": ("fuse_swiglu", False)}
+              "deep_gemm": ("deep_gemm", True), "exact": ("pow2_scale", False), "fused": ("fuse_swiglu", True)}
 MODES = ("eager", "compiled", "cudagraphs")
 
 _KERNEL_CATEGORIES = [  # (category, regex on the CUDA kernel name), first match wins
@@ -309,7 +309,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--seq", type=int, nargs="+", default=[8192])
     p.add_argument("--vocab", type=int, default=None, help="embedding rows (default: the preset's)")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), metavar="VARIANT",
-                   help=f"{', '.join(VARIANTS)}; modifiers: +wgrad_from_fp8, +swiglu_fp8, +deep_gemm, +exact, +unfused (see above)")
+                   help=f"{', '.join(VARIANTS)}; modifiers: +wgrad_from_fp8, +swiglu_fp8, +deep_gemm, +exact, +fused (see above)")
     p.add_argument("--modes", nargs="+", default=["compiled"], choices=MODES,
                    help="compiled: torch.compile per layer; cudagraphs: also CUDA graphs (no per-kernel launch cost)")
     p.add_argument("--steps", type=int, default=5, help="timed steps (median)")

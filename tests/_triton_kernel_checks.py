@@ -147,6 +147,14 @@ def _producer_failures() -> list:
             ok &= not qr[:, I:].any() and not qc[:, M:].any()
             if not ok:
                 failures.append(f"{name} pow2={pow2}")
+        # the torch ops that torch.compile traces (triton ops, their own schemas: a clash with ops.py's custom
+        # op names once replaced them) compute the same bytes
+        e4m3 = torch.float8_e4m3fn
+        as_ops = (*tq.quantize_swiglu_op(g, u, e4m3, e4m3, pow2, 512, True),
+                  *tq.quantize_swiglu_grads_op(dh, g, u, e4m3, e4m3, pow2, 512, True))
+        direct = (*tq.quantize_swiglu(g, u, fmt, fmt, pow2, 512), *tq.quantize_swiglu_grads(dh, g, u, fmt, fmt, pow2, 512))
+        if len(as_ops) != 12 or not all(torch.equal(_bits(a.float()), _bits(b.float())) for a, b in zip(as_ops, direct)):
+            failures.append(f"triton ops pow2={pow2}")
         rows_only = tq.quantize_swiglu(g, u, fake, fake, pow2, 512, cols=False)
         if not (torch.equal(rows_only[0], got["h"][0]) and rows_only[2].numel() == rows_only[3].numel() == 0):
             failures.append(f"h rows only pow2={pow2}")

@@ -343,7 +343,7 @@ def test_swiglu_inputs_fp8_on_cuda():
         torch.manual_seed(1)
         wrapper = torch.nn.Module()
         wrapper.mlp = Qwen2MLP(Qwen2Config(hidden_size=1536, intermediate_size=8960, hidden_act="silu")).cuda()
-        recipe = make_recipe("hybrid", swiglu_inputs_fp8=swiglu_fp8, fuse_swiglu=False)
+        recipe = make_recipe("hybrid", swiglu_inputs_fp8=swiglu_fp8)
         report = convert_to_fp8(wrapper, recipe, lambda m, fqn: True)
         assert report.swiglu_mlps == (["mlp"] if swiglu_fp8 else [])
         xr = x.clone().requires_grad_()
@@ -421,7 +421,8 @@ def test_fused_swiglu_mlp_on_cuda(fp8_inputs):
         assert _sqnr(a, b) > 30, (i, _sqnr(a, b))
 
 
-def test_compiled_model_launches_the_fp8_kernels_from_inductor_code():
+@pytest.mark.parametrize("fuse", [False, True])
+def test_compiled_model_launches_the_fp8_kernels_from_inductor_code(fuse):
     """On CUDA the FP8 pieces are traced into the graph: inductor's generated code launches the Triton
     quantization kernels and the scaled_mm GEMMs itself (no fp8train custom op, so no Python per Linear at
     run time), and with compile_options() q/k/v and gate/up share one quantization of their input (4 per
@@ -437,7 +438,7 @@ def test_compiled_model_launches_the_fp8_kernels_from_inductor_code():
     cfg = Qwen2Config(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=1,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
     model = Qwen2ForCausalLM(cfg).cuda()
-    convert_to_fp8(model, "hybrid")
+    convert_to_fp8(model, make_recipe("hybrid", fuse_swiglu=fuse))
     compiled = torch.compile(model, options=compile_options())
     ids = torch.randint(0, 1024, (1, 512), device="cuda")
 
@@ -451,10 +452,10 @@ def test_compiled_model_launches_the_fp8_kernels_from_inductor_code():
     code = "\n".join(codes)
     counts = {name: len(re.findall(rf"\b{name}\w*\.run\(", code)) for name in ("_act_kernel", "_weight_kernel")}
     assert "fp8train." not in code, "an opaque fp8train op is left in the compiled code"
-    # forward: inputs of q/k/v (one), o, gate/up (one), down (made from g and u: the fused SwiGLU); backward:
-    # the grad_outputs of q, k, v, o, down, and gate's and up's in one launch (the fused SwiGLU's derivatives).
-    # Weights: W in the forward, W.T in the backward (no FP8 copy of the weight is kept between them)
-    assert counts == {"_act_kernel": 4 + 6, "_weight_kernel": 7 + 7}, counts
+    # forward: inputs of q/k/v (one), o, gate/up (one), down (fused: made from g and u); backward: the 7
+    # grad_outputs (fused: gate's and up's made from dh, g, u). Weights: W in the forward, W.T in the
+    # backward (no FP8 copy of the weight is kept between them)
+    assert counts == {"_act_kernel": 4 + 7, "_weight_kernel": 7 + 7}, counts
     assert len(re.findall(r"_scaled_mm", code)) >= 21, "7 Linears x 3 GEMMs on cuBLAS"
 
 

@@ -1,5 +1,5 @@
-"""The SwiGLU MLP converted whole (fp8/swiglu.py): the SwiGLU fused into its FP8 producers (`fuse_swiglu`,
-the default) and its inputs saved for backward as FP8 tiles (`swiglu_inputs_fp8`).
+"""The SwiGLU MLP converted whole (fp8/swiglu.py): the SwiGLU fused into its FP8 producers (`fuse_swiglu`)
+and its inputs saved for backward as FP8 tiles (`swiglu_inputs_fp8`).
 
 Fused, the MLP computes the three FP8Linears' numbers bit for bit on the CPU (forward, every gradient). With
 FP8-saved inputs the forward is the Hugging Face module's bit for bit; the backward equals autograd's exactly
@@ -17,8 +17,9 @@ from fp8train.fp8.swiglu import FP8SwiGLUMLP, _SwiGLUFn
 from test_convert import tiny
 from test_trainer import byte_tokenizer, corpus, one_thread  # noqa: F401 (fixtures)
 
-SWIGLU = make_recipe("hybrid", swiglu_inputs_fp8=True, fuse_swiglu=False)
-UNFUSED = make_recipe("hybrid", fuse_swiglu=False)
+SWIGLU = make_recipe("hybrid", swiglu_inputs_fp8=True)
+UNFUSED = make_recipe("hybrid")
+FUSED = make_recipe("hybrid", fuse_swiglu=True)
 
 
 def _sqnr(x, ref):
@@ -134,7 +135,7 @@ def test_trainer_config_key(tmp_path, byte_tokenizer, corpus, capsys):
     from fp8train.train.trainer import Trainer
     from test_trainer import tiny_config
 
-    cfg = tiny_config(tmp_path, byte_tokenizer, corpus, swiglu_inputs_fp8="true", fuse_swiglu="false",
+    cfg = tiny_config(tmp_path, byte_tokenizer, corpus, swiglu_inputs_fp8="true",
                       **{"train.steps": 10, "train.save_every": 0, "train.eval_every": 0})
     trainer = Trainer(cfg, progress=False)
     assert all(isinstance(layer.mlp, FP8SwiGLUMLP) for layer in trainer.model.model.layers)
@@ -178,11 +179,11 @@ def _step(model, ids, compile_backend=None):
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 @pytest.mark.parametrize("fp8_inputs", [False, True])
 def test_fused_mlp_is_the_three_linears_bit_for_bit(arch, fp8_inputs):
-    """The default conversion runs each MLP fused; on the CPU its logits and every parameter's gradient equal
-    the three separate FP8Linears' exactly, with and without FP8-saved SwiGLU inputs."""
+    """`fuse_swiglu` runs each MLP fused; on the CPU its logits and every parameter's gradient equal the three
+    separate FP8Linears' exactly, with and without FP8-saved SwiGLU inputs."""
     plain, fused = tiny(arch), tiny(arch)
-    convert_to_fp8(plain, make_recipe("hybrid", fuse_swiglu=False, swiglu_inputs_fp8=fp8_inputs))
-    report = convert_to_fp8(fused, make_recipe("hybrid", swiglu_inputs_fp8=fp8_inputs))
+    convert_to_fp8(plain, make_recipe("hybrid", swiglu_inputs_fp8=fp8_inputs))
+    report = convert_to_fp8(fused, make_recipe("hybrid", swiglu_inputs_fp8=fp8_inputs, fuse_swiglu=True))
     assert len(report.swiglu_mlps) == 2 and "SwiGLU fused into its FP8 producers" in str(report)
     assert plain.state_dict().keys() == fused.state_dict().keys()
     ids = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(3))
@@ -198,7 +199,7 @@ def test_fused_mlp_compiled_equals_eager():
     """Compiled (the CPU's opaque ops; aot_eager keeps the rest eager's), the fused MLP computes eager's numbers;
     without grad it runs too (no input.T copies made)."""
     model = tiny()
-    convert_to_fp8(model, "hybrid")
+    convert_to_fp8(model, FUSED)
     ids = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(4))
     (le, ge), (lc, gc) = _step(model, ids), _step(model, ids, "aot_eager")
     assert torch.equal(le, lc) and all(torch.equal(ge[n], gc[n]) for n in ge)
@@ -211,7 +212,7 @@ def test_fused_mlp_frozen_gate_and_falls_back_where_it_must():
     makes the MLP run its three Linears (the health of each is recorded)."""
     plain, fused = tiny(), tiny()
     convert_to_fp8(plain, UNFUSED)
-    convert_to_fp8(fused, "hybrid")
+    convert_to_fp8(fused, FUSED)
     for m in (plain, fused):
         m.model.layers[0].mlp.gate_proj.weight.requires_grad_(False)
     ids = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(5))

@@ -3,7 +3,7 @@
 Converted (the recipe's list): q, k, v, o projections and the MLP's gate, up, down projections.
 Left in BF16: embeddings, the LM head, norms and everything that is not an nn.Linear. A Linear whose
 dimensions are not multiples of 16 (the FP8 tensor-core alignment) is skipped and reported. With the
-recipe's `fuse_swiglu` (the default) or `swiglu_inputs_fp8`, each SwiGLU MLP of converted projections
+recipe's `fuse_swiglu` or `swiglu_inputs_fp8`, each SwiGLU MLP of converted projections
 becomes an `FP8SwiGLUMLP` (swiglu.py: the same children and arithmetic, the SwiGLU fused into its FP8
 producers and/or its inputs saved for backward in FP8).
 """

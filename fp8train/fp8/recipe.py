@@ -102,11 +102,13 @@ class Fp8Recipe:
     saves) are saved for backward as E4M3 1x128 tiles instead of BF16 (COAT's trick), halving their memory;
     the backward's SiLU and product derivatives then read their dequantized values. The forward is unchanged.
     Off in the paper's recipe (docs/fidelity.md has its gradient error)."""
-    fuse_swiglu: bool = True
+    fuse_swiglu: bool = False
     """A SwiGLU MLP of converted projections runs as one piece (fp8train.fp8.swiglu): the down projection's
     input quantized in the kernel that computes silu(g) * u, and the gate and up projections' output gradients
-    in the kernel that computes the SwiGLU's derivatives, so neither activation is written in BF16 and read
-    again. The same BF16 arithmetic (bit for bit on the CPU); on CUDA SiLU's exp is libdevice's, as torch's."""
+    in the kernels that compute the SwiGLU's derivatives, so neither activation is written in BF16 and read
+    again. The same BF16 arithmetic (bit for bit on the CPU; on CUDA the sigmoid as inductor computes it).
+    The kernels measured 1.18-1.37x faster than what they replace on the H200; off until the whole step is
+    measured there (docs/benchmarks.md, issue 18 item 1)."""
     deep_gemm: bool = False
     """The tile x block GEMMs (output and grad_input, BF16 out) run on DeepGEMM's SM90 kernel instead of
     cuBLAS's where they run on cuBLAS: the same products (bit-identical on the H200), up to 21% faster per GEMM

@@ -5,7 +5,7 @@ A Llama/Qwen2 MLP computes `down_proj(silu(gate_proj(x)) * up_proj(x))`. Run as 
 SwiGLU output h = silu(g) * u ([tokens, intermediate], the widest activation) is written in BF16 only for
 the down projection's quantization to read it again, and in the backward the SwiGLU's input gradients
 dg and du are written in BF16 only for the gate and up projections to quantize them. `FP8SwiGLUMLP` fuses
-both (the recipe's `fuse_swiglu`, the default):
+both (the recipe's `fuse_swiglu`):
 
     forward    x -> FP8 rows (+ input.T) once -> g, u GEMMs (BF16)
                h's FP8 rows (+ h.T) made from g and u in one kernel    (h never written)
@@ -15,8 +15,8 @@ both (the recipe's `fuse_swiglu`, the default):
                gate's and up's grad_input (summed) and grad_weight GEMMs from those operands
 
 with the same BF16 arithmetic (`ops.swiglu_reference`, `ops.swiglu_grads_reference`): on the CPU bit for
-bit the three FP8Linears' numbers; on CUDA the kernel computes SiLU in FP32 as torch does and rounds to
-BF16 where autograd's ops round. With `swiglu_inputs_fp8`, g and u are saved for backward as E4M3 1x128
+bit the three FP8Linears' numbers; on CUDA the kernels compute the sigmoid as inductor's code does (the
+GPU's fast exp and division) and round to BF16 where autograd's ops round. With `swiglu_inputs_fp8`, g and u are saved for backward as E4M3 1x128
 tiles instead of BF16 (COAT's trick), half the bytes (at Qwen2.5-7B 75 KB per token per layer in BF16, the
 largest activation a decoder layer saves); the backward's derivatives then read their dequantized values
 (off by E4M3's rounding, relative 2^-4 at most).

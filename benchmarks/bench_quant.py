@@ -133,8 +133,9 @@ def swiglu_rows(copy_tbs: float) -> list[dict]:
         for name, (fn, want, nbytes) in variants.items():
             ok = want is None or sum(_differ(a, b) for a, b in zip(fn(), want)) <= 1e-4 * M * I * 2 * (len(want) // 4)
             us = _us(fn)
+            moved = M * I * nbytes
             rows.append({"kind": "swiglu", "shape": [M, I], "variant": name, "bit_exact": bool(ok), "us": us,
-                         "tb_s": M * I * nbytes / (us * 1e-6) / 1e12, "floor_us": M * I * nbytes / (copy_tbs * 1e12) * 1e6})
+                         "tb_s": moved / (us * 1e-6) / 1e12, "floor_us": moved / (copy_tbs * 1e12) * 1e6})
             print(json.dumps(rows[-1]), flush=True)
         g = u = dh = want_h = want_g = None
     return rows

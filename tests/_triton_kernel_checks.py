@@ -120,8 +120,8 @@ def _truncate_to_bf16(x):
 
 def _producer_failures() -> list:
     """The SwiGLU producers (PRODUCER 1: h = silu(g) * u; 2: dg and du), bit for bit against the formulas
-    written out here in FP32 torch ops (the sigmoid's exp: numpy's, as the interpreter's), rounded to BF16 where autograd's
-    BF16 ops round (as the interpreter rounds), then the reference quantization."""
+    written out here in FP32 torch ops (the sigmoid's exp: numpy's, as the interpreter's), rounded to BF16
+    where autograd's BF16 ops round (as the interpreter rounds), then the reference quantization."""
     g0 = torch.Generator().manual_seed(1)
     M, I = 257, 384
     g, u, dh = ((torch.randn(M, I, generator=g0) * torch.logspace(-2, 2, I)).bfloat16() for _ in range(3))
@@ -152,8 +152,10 @@ def _producer_failures() -> list:
         e4m3 = torch.float8_e4m3fn
         as_ops = (*tq.quantize_swiglu_op(g, u, e4m3, e4m3, pow2, 512, True),
                   *tq.quantize_swiglu_grads_op(dh, g, u, e4m3, e4m3, pow2, 512, True))
-        direct = (*tq.quantize_swiglu(g, u, fmt, fmt, pow2, 512), *tq.quantize_swiglu_grads(dh, g, u, fmt, fmt, pow2, 512))
-        if len(as_ops) != 12 or not all(torch.equal(_bits(a.float()), _bits(b.float())) for a, b in zip(as_ops, direct)):
+        direct = (*tq.quantize_swiglu(g, u, fmt, fmt, pow2, 512),
+                  *tq.quantize_swiglu_grads(dh, g, u, fmt, fmt, pow2, 512))
+        same = all(torch.equal(_bits(a.float()), _bits(b.float())) for a, b in zip(as_ops, direct))
+        if len(as_ops) != 12 or not same:
             failures.append(f"triton ops pow2={pow2}")
         rows_only = tq.quantize_swiglu(g, u, fake, fake, pow2, 512, cols=False)
         if not (torch.equal(rows_only[0], got["h"][0]) and rows_only[2].numel() == rows_only[3].numel() == 0):

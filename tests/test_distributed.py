@@ -28,9 +28,11 @@ from fp8train.train.distributed import (DistributedConfig, World, all_reduce_sum
 
 VOCAB, SEQ, GLOBAL_BATCH, STEPS, LR = 512, 64, 4, 4, 3e-3
 CPU1 = World()
-# name: (recipe, fp8_param_gather, activation checkpointing + torch.compile per layer)
+# name: (recipe, fp8_param_gather, activation checkpointing + torch.compile per layer); "+fused": the recipe's
+# fuse_swiglu (the same numbers as without on the CPU, so the same single-process reference)
 RUNS = {"hybrid": ("hybrid", False, False), "hybrid_fp8_gather": ("hybrid", True, False),
-        "bf16": ("bf16", False, False), "hybrid_fp8_gather_ac_compile": ("hybrid", True, True)}
+        "bf16": ("bf16", False, False), "hybrid_fp8_gather_ac_compile": ("hybrid", True, True),
+        "hybrid_fused_ac_compile": ("hybrid+fused", False, True)}
 # Tolerances on per-step losses (relative), over 4 steps in which the loss falls from 6.38 to 3.93:
 # - world size 2 vs world size 1, both FSDP (BF16 params): the same computation except how the gradient
 #   sum is split (each rank rounds its partial gradient to BF16 before the FP32 reduce-scatter) and GEMM
@@ -52,7 +54,8 @@ def _model(recipe: str, seed: int = 0) -> Qwen2ForCausalLM:
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
                       tie_word_embeddings=True)
     model = Qwen2ForCausalLM(cfg)
-    convert_to_fp8(model, recipe)
+    name, _, modifier = recipe.partition("+")
+    convert_to_fp8(model, make_recipe(name, fuse_swiglu=modifier == "fused"))
     return model
 
 
@@ -284,7 +287,8 @@ def runs(tmp_path_factory):
         single[recipe] = _train(model, _optimizer(model), CPU1, _batches(), probe)
         single_grads[recipe] = probe["grads"]
     for name, (recipe, *_) in RUNS.items():  # the runs' single-process reference is their recipe's
-        single[name], single_grads[name] = single[recipe], single_grads[recipe]
+        base = recipe.partition("+")[0]
+        single[name], single_grads[name] = single[base], single_grads[base]
     # A 2-step run saved by a plain single process (kind "single"), for the 2-rank job to resume.
     model = _model("hybrid")
     optimizer = _optimizer(model)

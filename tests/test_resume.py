@@ -175,7 +175,8 @@ def test_resume_refuses_a_changed_trajectory_and_writes_nothing(tmp_path, byte_t
 
     longer = Trainer(tiny_config(tmp_path, byte_tokenizer, corpus, **{**_SHORT, "train.steps": 3, "train.log_every": 2,
                                                                        "model.lora.offload_base": "false",
-                                                                       "deep_gemm": "true"}), progress=False)
+                                                                       "deep_gemm": "true", "fuse_swiglu": "true"}),
+                     progress=False)
     assert longer.step == 2
     assert "config changed since" in capsys.readouterr().out  # recorded in the log
     assert sorted(longer.fit().losses) == [3]

@@ -242,3 +242,22 @@ def test_swiglu_grad_references_are_autograds():
     dg, du = swiglu_grads_reference(dh, g, u)
     assert torch.equal(dg, ref[1]) and torch.equal(du, ref[2])
     assert dg.dtype == du.dtype == torch.bfloat16 and dg.abs().sum() > 0
+
+
+def test_trainer_fuse_swiglu_key_trains_the_same_run(tmp_path, byte_tokenizer, corpus, capsys):
+    """`fuse_swiglu: true` in the trainer, with activation checkpointing (the Function's saved tensors are
+    dropped and recomputed): the run summary says so and every step's loss equals the unfused run's exactly."""
+    from fp8train.train.trainer import Trainer
+    from test_trainer import tiny_config
+
+    def losses(fuse):
+        cfg = tiny_config(tmp_path / fuse, byte_tokenizer, corpus, fuse_swiglu=fuse,
+                          **{"train.steps": 6, "train.save_every": 0, "train.eval_every": 0,
+                             "train.activation_checkpointing": "true"})
+        trainer = Trainer(cfg, progress=False)
+        assert all(isinstance(layer.mlp, FP8SwiGLUMLP) == (fuse == "true") for layer in trainer.model.model.layers)
+        return trainer.fit().losses
+
+    fused, plain = losses("true"), losses("false")
+    assert "2 SwiGLU MLPs converted whole (SwiGLU fused into its FP8 producers)" in capsys.readouterr().out
+    assert fused == plain and fused[6] < fused[1], (fused, plain)

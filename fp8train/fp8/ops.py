@@ -483,7 +483,8 @@ def _quantize_swiglu_grads_impl(dh: Tensor, g: Tensor, u: Tensor, plan: str, mak
     dh, g, u = dh.contiguous(), g.contiguous(), u.contiguous()
     if kernels and _swiglu_kernel_applies(p, p.g, p.g_t, dh, g, u):
         if torch.compiler.is_compiling():
-            return _kernels.quantize_swiglu_grads_op(dh, g, u, p.g.fmt.dtype, p.g_t.fmt.dtype, p.pow2, p.g.pad, make_cols)
+            return _kernels.quantize_swiglu_grads_op(dh, g, u, p.g.fmt.dtype, p.g_t.fmt.dtype, p.pow2, p.g.pad,
+                                                     make_cols)
         return _kernels.quantize_swiglu_grads(dh, g, u, p.g.fmt, p.g_t.fmt, p.pow2, p.g.pad, make_cols)
     dg, du = swiglu_grads_reference(dh, g, u)
     return (*_quantize_activation(dg, p.g, p.g_t, p.pow2, make_cols, p.cublas and kernels),
@@ -588,9 +589,10 @@ def linear_backward(dy: Tensor, weight: Tensor, w: Tensor | None, w_scale: Tenso
                                                                plan.key, want_dx, want_dw, dx_dtype)
 
 
-def linear_backward_gemms(g: Tensor, g_scale: Tensor, g_t: Tensor, g_t_scale: Tensor, weight: Tensor, w: Tensor | None,
-                          w_scale: Tensor | None, x_saved: Tensor | None, x_saved_scale: Tensor | None, plan: LinearPlan,
-                          want_dx: bool, want_dw: bool, dx_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+def linear_backward_gemms(g: Tensor, g_scale: Tensor, g_t: Tensor, g_t_scale: Tensor, weight: Tensor,
+                          w: Tensor | None, w_scale: Tensor | None, x_saved: Tensor | None,
+                          x_saved_scale: Tensor | None, plan: LinearPlan, want_dx: bool, want_dw: bool,
+                          dx_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """`linear_backward` from grad_output's operands made by its producer (`quantize_swiglu_grads`)."""
     return (_backward_gemms_op if _opaque(plan) else _backward_gemms_impl)(
         g, g_scale, g_t, g_t_scale, weight, w, w_scale, x_saved, x_saved_scale, plan.key, want_dx, want_dw, dx_dtype)

@@ -314,9 +314,24 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name if name != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
 
 
-def cpt_schedule(lr: float) -> OptimConfig:
+def cpt_schedule(lr: float, warmup_ratio: float = 0.1, decay_ratio: float = 0.15) -> OptimConfig:
     """The paper's CPT schedule scaled down: warmup 10%, stable, cosine to lr/10 over the last 15%; wd 0.1."""
-    return OptimConfig(lr=lr, min_lr=lr / 10, weight_decay=0.1, schedule="wsd", warmup_ratio=0.1, decay_ratio=0.15)
+    return OptimConfig(lr=lr, min_lr=lr / 10, weight_decay=0.1, schedule="wsd", warmup_ratio=warmup_ratio,
+                       decay_ratio=decay_ratio)
+
+
+def run_config(work: Path, stage: str, name: str, *, seed: int, device: str, data, optim: OptimConfig, steps: int,
+               batch: int, micro_batch: int, eval_batches: int, model, evals: int = 6, health_every: int = 0,
+               **recipe) -> TrainConfig:
+    """The TrainConfig of one fidelity run, written to work/runs/name: `evals` evaluations over the run, a log
+    line per step, the last checkpoint kept. `model`: a ModelConfig, or the source (a path or a preset) of
+    one; `recipe` holds the recipe keys (recipe, pow2_scale, bf16_layers)."""
+    return TrainConfig(
+        stage=stage, run_dir=str(Path(work) / "runs" / name), resume="none", seed=seed, device=device,
+        model=model if isinstance(model, ModelConfig) else ModelConfig(source=str(model)), data=data, optim=optim,
+        **recipe,
+        train=LoopConfig(steps=steps, global_batch=batch, micro_batch=micro_batch, eval_every=max(1, steps // evals),
+                         eval_batches=eval_batches, keep_last=1, log_every=1, health_every=health_every))
 
 
 def sft_schedule(lr: float) -> OptimConfig:
@@ -544,13 +559,10 @@ class _Bench:
         log_line(self.clock, msg)
 
     def config(self, stage, name, recipe, data, optim, steps, batch, source=None, evals: int = 6) -> TrainConfig:
-        return TrainConfig(
-            stage=stage, run_dir=str(self.work / "runs" / name), resume="none", seed=self.args.seed,
-            device=self.device.type, recipe="bf16" if recipe == "bf16" else "hybrid",
-            model=ModelConfig(source=source or str(self.base_dir)), data=data, optim=optim,
-            train=LoopConfig(steps=steps, global_batch=batch, micro_batch=self.scale.micro_batch,
-                             eval_every=max(1, steps // evals), eval_batches=self.scale.eval_batches, keep_last=1,
-                             log_every=1, health_every=max(1, steps // 4)))
+        return run_config(self.work, stage, name, seed=self.args.seed, device=self.device.type, data=data,
+                          optim=optim, steps=steps, batch=batch, micro_batch=self.scale.micro_batch,
+                          eval_batches=self.scale.eval_batches, model=source or self.base_dir, evals=evals,
+                          health_every=max(1, steps // 4), recipe="bf16" if recipe == "bf16" else "hybrid")
 
     def train(self, cfg: TrainConfig, model, train, val, tf32: bool = False):
         summary, model = train_run(cfg, model, self.tokenizer, train, val, tf32)

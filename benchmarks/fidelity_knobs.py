@@ -40,7 +40,6 @@ import torch
 import fidelity as fid  # benchmarks/ is on sys.path: the folder of the script, or tests/_benchmarks.py
 from fp8train.cli import keep_freed_memory
 from fp8train.data import build_sft_datasets, load_tokenizer
-from fp8train.train.config import LoopConfig, TrainConfig
 from fp8train.train.files import write_text_atomic
 from fp8train.train.model import ModelConfig, build_model
 from fp8train.train.optim import OptimConfig
@@ -118,13 +117,11 @@ class _Runner:
     def config(self, arm: Arm, stage: str, data, optim: OptimConfig, steps: int, batch: int, source: Path):
         s = self.scale
         steps = min(steps, s.max_steps) if s.max_steps else steps  # the smoke run's clamp
-        return TrainConfig(
-            stage=stage, run_dir=str(self.work / "runs" / f"{stage}_{arm.slug}"), resume="none", seed=arm.seed,
-            device=self.device.type, recipe=arm.recipe, pow2_scale=arm.pow2_scale, bf16_layers=list(arm.bf16_layers),
-            model=ModelConfig(source=str(source)), data=data, optim=optim,
-            train=LoopConfig(steps=steps, global_batch=batch, micro_batch=s.micro_batch, eval_every=max(1, steps // 6),
-                             eval_batches=s.eval_batches, keep_last=1, log_every=1,
-                             health_every=max(1, steps // 8) if arm.recipe != "bf16" else 0))
+        return fid.run_config(self.work, stage, f"{stage}_{arm.slug}", seed=arm.seed, device=self.device.type,
+                              data=data, optim=optim, steps=steps, batch=batch, micro_batch=s.micro_batch,
+                              eval_batches=s.eval_batches, model=source,
+                              health_every=max(1, steps // 8) if arm.recipe != "bf16" else 0, recipe=arm.recipe,
+                              pow2_scale=arm.pow2_scale, bf16_layers=list(arm.bf16_layers))
 
     def run(self, arm: Arm) -> dict:
         """CPT -> SFT -> greedy accuracy of one arm: each stage's summary (curves included) and FP8 health trend."""

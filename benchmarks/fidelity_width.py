@@ -34,10 +34,8 @@ import fidelity as fid  # benchmarks/ is on sys.path: the folder of the script, 
 from fp8train.cli import keep_freed_memory
 from fp8train.data import load_tokenizer
 from fp8train.fp8.recipe import make_recipe
-from fp8train.train.config import LoopConfig, TrainConfig
 from fp8train.train.files import write_text_atomic
 from fp8train.train.model import ModelConfig, build_model
-from fp8train.train.optim import OptimConfig
 
 
 
@@ -89,20 +87,15 @@ def _data(args, tokenizer, tokens: int):
     return fid.cpt_datasets(files, tokens, tokenizer, scale, Path(args.work), 0, "pretraining")
 
 
-def _train_one(args: argparse.Namespace, run: Run) -> dict:
-    """One pretraining run (in a worker process when --jobs > 1); its summary without the curves."""
-    tokenizer = load_tokenizer(args.tokenizer)
-    data, train, val = _data(args, tokenizer, args.corpus_tokens)
+def _train_one(args: argparse.Namespace, run: Run, tokenizer, datasets: tuple) -> dict:
+    """One pretraining run; its summary without the curves. `datasets`: `_data`'s (config, train, val)."""
+    data, train, val = datasets
     name = f"w{run.shape.width}x{run.shape.layers}_{run.recipe}_s{run.seed}"
-    lr = run.shape.lr
-    cfg = TrainConfig(
-        stage="cpt", run_dir=str(Path(args.work) / "runs" / name), resume="none", seed=run.seed,
-        device=args.device, recipe=run.recipe,
-        model=ModelConfig(source="tiny-qwen2", **run.shape.model), data=data,
-        optim=OptimConfig(lr=lr, min_lr=lr / 10, weight_decay=0.1, schedule="wsd", warmup_ratio=0.05,
-                          decay_ratio=0.2),
-        train=LoopConfig(steps=run.steps, global_batch=args.rows, micro_batch=run.micro_batch,
-                         eval_every=max(1, run.steps // 4), eval_batches=args.eval_batches, keep_last=1, log_every=1))
+    # from scratch: a shorter warmup and a longer decay than continual pretraining's
+    cfg = fid.run_config(Path(args.work), "cpt", name, seed=run.seed, device=args.device, data=data,
+                         optim=fid.cpt_schedule(run.shape.lr, warmup_ratio=0.05, decay_ratio=0.2), steps=run.steps,
+                         batch=args.rows, micro_batch=run.micro_batch, eval_batches=args.eval_batches,
+                         model=ModelConfig(source="tiny-qwen2", **run.shape.model), evals=4, recipe=run.recipe)
     t0 = time.perf_counter()
     summary, _ = fid.train_run(cfg, _model(run.shape, tokenizer, run.seed), tokenizer, train, val)
     summary.pop("train_curve")
@@ -110,9 +103,11 @@ def _train_one(args: argparse.Namespace, run: Run) -> dict:
 
 
 def _worker(job: tuple) -> dict:
+    """A worker process's run (--jobs > 1): its own tokenizer and datasets (read from the token cache)."""
     args, run = job
     torch.set_num_threads(2)
-    return _train_one(args, run)
+    tokenizer = load_tokenizer(args.tokenizer)
+    return _train_one(args, run, tokenizer, _data(args, tokenizer, args.corpus_tokens))
 
 
 def rate(shape: Shape, recipe: str, tokenizer, args, device) -> float:
@@ -222,7 +217,7 @@ def main(argv=None) -> int:
     if args.smoke:
         steps = {s: min(n, 3) for s, n in steps.items()}
     args.corpus_tokens = int(max(steps.values()) * args.rows * args.seq_len * 1.02 / 0.99) + 1
-    _data(args, tokenizer, args.corpus_tokens)  # tokenized once, here; the workers read the cache
+    datasets = _data(args, tokenizer, args.corpus_tokens)  # tokenized once, here; the workers read the cache
     runs = [Run(s, rc, seed, steps[s], args.micro_batch) for s in sorted(args.shapes, key=lambda s: -s.width)
             for seed in args.seeds for rc in ("bf16", "hybrid")]  # the longest first: the pool ends together
     print(f"[width] tokens/param {r:.3f}; steps {dict((f'{s.width}x{s.layers}', n) for s, n in steps.items())}; "
@@ -232,7 +227,7 @@ def main(argv=None) -> int:
            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
     pool = mp.get_context("spawn").Pool(args.jobs, maxtasksperchild=1) if args.jobs > 1 else None
     done = (pool.imap_unordered(_worker, [(args, run) for run in runs]) if pool
-            else (_train_one(args, run) for run in runs))
+            else (_train_one(args, run, tokenizer, datasets) for run in runs))
     for result in done:  # written as each run ends: a timeout keeps what finished
         res["runs"].append(result)
         res["gaps"], res["wall_s"] = gaps(res["runs"]), round(time.monotonic() - t0, 1)

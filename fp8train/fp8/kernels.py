@@ -6,7 +6,10 @@ writes both FP8 copies the hybrid recipe needs:
     cols  [K, Mp]  1x128 tiles along the tokens     (operand of grad_weight), quantized from the same
                    high-precision tile, never from the row copy (no double quantization).
 `quantize_blocks` quantizes a weight in 128x128 blocks, as W (operand b of output) or as W.T (operand b
-of grad_input: the same blocks transposed, with the same scales).
+of grad_input: the same blocks transposed, with the same scales). The activation kernel's producers make
+the tile it quantizes from other tensors instead of reading it (`quantize_swiglu`: h = silu(g) * u, the
+down projection's input; `quantize_swiglu_grads`: the gate's and up projections' grad_outputs), so that
+activation is never written in BF16 and read again (fp8train.fp8.swiglu).
 
 Scales are written straight into the layouts cuBLAS wants: 1x128 scales "outer-dim major" ([blocks, rows]
 in memory, handed over as the (rows, blocks) transpose view); 128x128 scales row-major [Nb, Kb].

@@ -13,7 +13,9 @@ row-major and the contraction dimension last (the "operand layout"):
     fp8_linear (autograd)     forward:  quantize_input -> linear_forward (quantize W, GEMM `output`)
                               backward: linear_backward (quantize grad_output; W.T, GEMM `grad_input`;
                                         input.T, GEMM `grad_weight`)
-    quantize_*                Triton kernels on CUDA (kernels.py), the reference of quant.py elsewhere
+    quantize_*                Triton kernels on CUDA (kernels.py), the reference of quant.py elsewhere;
+                              quantize_swiglu(_grads): an MLP's SwiGLU output (and its input gradients)
+                              quantized by the kernel that computes them (swiglu.py, `fuse_swiglu`)
     gemm                      the one GEMM: `gemm_route` (the one route table) picks a cuBLAS `scaled_mm`
                               call or the emulation (dequantize + FP32 matmul, every device)
 
@@ -477,8 +479,9 @@ def _quantize_swiglu_impl(g: Tensor, u: Tensor, plan: str, make_cols: bool,
 
 def _quantize_swiglu_grads_impl(dh: Tensor, g: Tensor, u: Tensor, plan: str, make_cols: bool,
                                 kernels: bool = True) -> tuple[Tensor, ...]:
-    """dg's and du's grad_output operands (rows; cols with `make_cols`), 8 tensors: on CUDA in one kernel that
-    never writes dg or du; elsewhere `swiglu_grads_reference`, then grad_output's quantization."""
+    """dg's and du's grad_output operands (rows; cols with `make_cols`), 8 tensors: on CUDA by the kernel's
+    producers (one launch each; dg and du never written); elsewhere `swiglu_grads_reference`, then
+    grad_output's quantization."""
     p = LinearPlan.parse(plan)
     dh, g, u = dh.contiguous(), g.contiguous(), u.contiguous()
     if kernels and _swiglu_kernel_applies(p, p.g, p.g_t, dh, g, u):

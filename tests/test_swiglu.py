@@ -261,3 +261,25 @@ def test_trainer_fuse_swiglu_key_trains_the_same_run(tmp_path, byte_tokenizer, c
     fused, plain = losses("true"), losses("false")
     assert "2 SwiGLU MLPs converted whole (SwiGLU fused into its FP8 producers)" in capsys.readouterr().out
     assert fused == plain and fused[6] < fused[1], (fused, plain)
+
+
+def test_fused_mlp_saves_less_for_backward_eagerly():
+    """Eagerly autograd keeps silu(g) as well as g and u for the SwiGLU's backward (2 bytes per token and
+    intermediate feature); the fused MLP keeps g and u only. (Compiled, inductor's partitioner already
+    recomputes silu(g): no difference there.)"""
+    ids = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(7))
+
+    def saved_bytes(recipe):
+        model = tiny()
+        convert_to_fp8(model, recipe)
+        sizes = []
+
+        def pack(t):
+            sizes.append(t.numel() * t.element_size())
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", torch.bfloat16):
+            model(input_ids=ids, labels=ids)
+        return sum(sizes)
+
+    tokens, inter, layers = ids.numel(), 256, 2
+    assert saved_bytes(UNFUSED) - saved_bytes(FUSED) >= 2 * tokens * inter * layers

@@ -209,7 +209,7 @@ def test_fused_mlp_compiled_equals_eager():
 
 def test_fused_mlp_frozen_gate_and_falls_back_where_it_must():
     """A frozen gate weight gets no gradient and the rest the unfused numbers; a layer tracking FP8 health
-    makes the MLP run its three Linears (the health of each is recorded)."""
+    makes the MLP run its three Linears (the health of each is recorded), as does a weight FSDP gathers in FP8."""
     plain, fused = tiny(), tiny()
     convert_to_fp8(plain, UNFUSED)
     convert_to_fp8(fused, FUSED)
@@ -228,6 +228,12 @@ def test_fused_mlp_frozen_gate_and_falls_back_where_it_must():
     assert not mlp._fusable()
     _step(fused, ids)
     assert all(lin.health()["input"]["scale_max"] > 0 for lin in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+
+    other = tiny()
+    convert_to_fp8(other, FUSED)
+    mlp = other.model.layers[0].mlp
+    assert mlp.gate_proj.prepare_fsdp(2, fp8_all_gather=True) is None and mlp.gate_proj.gathers_fp8
+    assert not mlp._fusable()  # FSDP gathers the gate's weight as FP8 blocks: the three Linears run
 
 
 def test_swiglu_grad_references_are_autograds():

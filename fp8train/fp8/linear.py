@@ -175,6 +175,11 @@ class FP8Linear(nn.Linear):
             return None
         return health_dict(self._health_sink.grad)
 
+    @property
+    def gathers_fp8(self) -> bool:
+        """Whether FSDP2 all-gathers the weight as FP8 blocks (`prepare_fsdp`)."""
+        return self._fp8_all_gather
+
     def prepare_fsdp(self, world_size: int, fp8_all_gather: bool) -> str | None:
         """Before FSDP2 shards this layer: FSDP refills the gathered weight in place every step (no version
         bump), so the step's weight cache is turned off for good; with `fp8_all_gather` the weight's local

@@ -140,7 +140,7 @@ class FP8SwiGLUMLP(nn.Module):
         """Whether the three projections are still plain FP8Linears the fused path may run (module docstring)."""
         linears = (self.gate_proj, self.up_proj, self.down_proj)
         return (self.recipe.fuse_swiglu and all(isinstance(m, FP8Linear) for m in linears)
-                and not any(m.tracking_health or m.frozen or hasattr(m.weight, "fp8_operand") for m in linears))
+                and not any(m.tracking_health or m.frozen or m.gathers_fp8 for m in linears))
 
     def forward(self, x: Tensor) -> Tensor:
         down = self.down_proj

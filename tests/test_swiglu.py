@@ -176,14 +176,15 @@ def _step(model, ids, compile_backend=None):
     return out.logits.detach(), grads
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "llama"])
-@pytest.mark.parametrize("fp8_inputs", [False, True])
-def test_fused_mlp_is_the_three_linears_bit_for_bit(arch, fp8_inputs):
+@pytest.mark.parametrize("arch, recipe, fp8_inputs", [("qwen2", "hybrid", False), ("qwen2", "hybrid", True),
+                                                      ("llama", "hybrid", False), ("llama", "hybrid", True),
+                                                      ("qwen2", "tensorwise", False), ("qwen2", "rowwise", False)])
+def test_fused_mlp_is_the_three_linears_bit_for_bit(arch, recipe, fp8_inputs):
     """`fuse_swiglu` runs each MLP fused; on the CPU its logits and every parameter's gradient equal the three
-    separate FP8Linears' exactly, with and without FP8-saved SwiGLU inputs."""
+    separate FP8Linears' exactly, with and without FP8-saved SwiGLU inputs, for every recipe."""
     plain, fused = tiny(arch), tiny(arch)
-    convert_to_fp8(plain, make_recipe("hybrid", swiglu_inputs_fp8=fp8_inputs))
-    report = convert_to_fp8(fused, make_recipe("hybrid", swiglu_inputs_fp8=fp8_inputs, fuse_swiglu=True))
+    convert_to_fp8(plain, make_recipe(recipe, swiglu_inputs_fp8=fp8_inputs))
+    report = convert_to_fp8(fused, make_recipe(recipe, swiglu_inputs_fp8=fp8_inputs, fuse_swiglu=True))
     assert len(report.swiglu_mlps) == 2 and "SwiGLU fused into its FP8 producers" in str(report)
     assert plain.state_dict().keys() == fused.state_dict().keys()
     ids = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(3))

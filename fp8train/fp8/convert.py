@@ -35,12 +35,13 @@ class ConversionReport:
     skipped: dict[str, str] = field(default_factory=dict)
     swiglu_mlps: list[str] = field(default_factory=list)
     """MLPs converted as one piece (`FP8SwiGLUMLP`: the recipe's `fuse_swiglu` or `swiglu_inputs_fp8`)."""
-    swiglu_what: str = ""
+    swiglu_conversion: str = ""
+    """What converting them changed, in words (`FP8SwiGLUMLP.conversion`)."""
 
     def __str__(self) -> str:
         lines = [f"fp8train: recipe {self.recipe}: {len(self.converted)} Linear layers in FP8, {len(self.skipped)} kept in BF16"]
         if self.swiglu_mlps:
-            lines.append(f"  {len(self.swiglu_mlps)} SwiGLU MLPs converted whole ({self.swiglu_what})")
+            lines.append(f"  {len(self.swiglu_mlps)} SwiGLU MLPs converted whole ({self.swiglu_conversion})")
         reasons = defaultdict(list)
         for name, why in self.skipped.items():
             reasons[why].append(name)
@@ -115,7 +116,7 @@ def convert_to_fp8(
                 mlp = FP8SwiGLUMLP(module)
                 setattr(model.get_submodule(parent_name) if parent_name else model, child, mlp)
                 report.swiglu_mlps.append(fqn)
-                report.swiglu_what = mlp.extra_repr().split(", ", 1)[1]
+                report.swiglu_conversion = mlp.conversion
     return report
 
 

@@ -159,7 +159,11 @@ class FP8SwiGLUMLP(nn.Module):
             return down(F.silu(g) * u)
         return down(_SwiGLUFn.apply(g, u, self._plans[runs_on_cublas(g, self.recipe)]))
 
+    @property
+    def conversion(self) -> str:
+        """What the conversion changed, in words (the conversion summary's)."""
+        return ", ".join(w for w, on in (("SwiGLU fused into its FP8 producers", self.recipe.fuse_swiglu),
+                                         ("SwiGLU inputs saved in FP8", self.recipe.swiglu_inputs_fp8)) if on)
+
     def extra_repr(self) -> str:
-        what = [w for w, on in (("SwiGLU fused into its FP8 producers", self.recipe.fuse_swiglu),
-                                ("SwiGLU inputs saved in FP8", self.recipe.swiglu_inputs_fp8)) if on]
-        return f"{self.mlp_class}, {', '.join(what)}"
+        return f"{self.mlp_class}, {self.conversion}"

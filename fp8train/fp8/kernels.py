@@ -26,8 +26,8 @@ Why the kernels are cheap per element (they must stream at memory speed, ~4 TB/s
   / 57344). Exact FP32 scales multiply by the correctly rounded reciprocal RN(1 / s) (one `div_rn` per
   block), as the reference does (`quant.reciprocal`; its clamp changes nothing, see `_quant`):
   x * RN(1 / s) differs from RN(x / s) only where the two straddle an FP8 rounding boundary, which is rare,
-  and CPU and GPU stay bit-identical because both make the same IEEE multiply. Only the weight kernel still divides each element, for
-  power-of-two scales (exact, so the same numbers; see there);
+  and CPU and GPU stay bit-identical because both make the same IEEE multiply. Only the weight kernel
+  still divides each element, for power-of-two scales (exact, so the same numbers; see there);
 - a BF16 tile stays BF16 in registers (amax on its 16-bit patterns) and is widened only for the multiply:
   half the registers, so two programs fit on an SM and one's loads overlap the other's arithmetic.
 
@@ -248,7 +248,7 @@ def _launcher(kernel, traced: bool):
     return torch.library.wrap_triton(kernel) if traced else kernel
 
 
-def _ops_layout(out, like: torch.Tensor) -> tuple:
+def ops_layout(out, like: torch.Tensor) -> tuple:
     """(rows data, scale view, cols data or None, scale view or None) in the ops' layout: the scales as their
     contiguous [blocks, rows] buffers, a missing cols copy as empty tensors."""
     qr, sr, qc, sc = out
@@ -296,7 +296,7 @@ def quantize_swiglu(g, u, row_fmt, col_fmt, pow2: bool, pad: int, cols: bool = T
     """The tiles of h = silu(g) * u from BF16 g, u [M, I], without h ever being written: (rows data, rows
     scale [Ip/128, M], cols data, cols scale [Mp/128, I]), the scales as buffers in the ops' layout (not the
     views `quantize_tiles_and_transpose` returns); no cols: empty tensors."""
-    return _ops_layout(_quantize_tiles(g, (u,), 1, row_fmt, col_fmt, pow2, pad, cols, num_warps, _traced), g)
+    return ops_layout(_quantize_tiles(g, (u,), 1, row_fmt, col_fmt, pow2, pad, cols, num_warps, _traced), g)
 
 
 def quantize_swiglu_grads(dh, g, u, row_fmt, col_fmt, pow2: bool, pad: int, cols: bool = True,
@@ -305,7 +305,7 @@ def quantize_swiglu_grads(dh, g, u, row_fmt, col_fmt, pow2: bool, pad: int, cols
     `quantize_swiglu` returns them), in two launches."""
     dg = _quantize_tiles(dh, (g, u), 2, row_fmt, col_fmt, pow2, pad, cols, num_warps, _traced)
     du = _quantize_tiles(dh, (g,), 3, row_fmt, col_fmt, pow2, pad, cols, num_warps, _traced)
-    return (*_ops_layout(dg, dh), *_ops_layout(du, dh))
+    return (*ops_layout(dg, dh), *ops_layout(du, dh))
 
 
 def quantize_blocks(w, fmt, pow2: bool, pad: int, transpose: bool = False, num_warps: int = _NUM_WARPS,
@@ -339,7 +339,7 @@ _FORMATS = {f.dtype: f for f in Fp8Format}
 @torch.library.triton_op("fp8train::quantize_tiles", mutates_args=())
 def quantize_tiles_op(x2d: torch.Tensor, row_dtype: torch.dtype, col_dtype: torch.dtype, pow2: bool, pad: int,
                       cols: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _ops_layout(quantize_tiles_and_transpose(x2d, _FORMATS[row_dtype], _FORMATS[col_dtype], pow2, pad, cols,
+    return ops_layout(quantize_tiles_and_transpose(x2d, _FORMATS[row_dtype], _FORMATS[col_dtype], pow2, pad, cols,
                                                     _traced=True), x2d)
 
 

@@ -28,7 +28,7 @@ from .health import health_dict, operand_health_stats
 from .ops import LinearPlan
 from .recipe import Fp8Recipe, make_recipe
 
-__all__ = ["FP8Linear", "runs_on_cublas"]
+__all__ = ["FP8Linear", "output_dtype", "runs_on_cublas"]
 
 
 @torch.compiler.assume_constant_result  # a constant of the device: torch.compile does not trace it
@@ -38,6 +38,12 @@ def _has_fp8_gemm(device_index: int) -> bool:
 
 def _use_cublas(t: Tensor) -> bool:
     return t.is_cuda and _has_fp8_gemm(t.device.index)
+
+
+def output_dtype(x: Tensor) -> torch.dtype:
+    """The dtype a Linear's output has for input `x`: autocast's where it is on, else x's."""
+    dev = x.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
 
 
 def runs_on_cublas(x: Tensor, recipe: Fp8Recipe) -> bool:
@@ -245,6 +251,11 @@ class FP8Linear(nn.Linear):
         """The plan this layer's GEMMs follow for input `x` (cuBLAS where it runs, else emulated)."""
         return self._plans[runs_on_cublas(x, self.recipe)]
 
+    def makes_input_t(self, plan: LinearPlan) -> bool:
+        """Whether this forward makes input.T's operand: a backward computes dW, and from input.T made now
+        (with the plan's `x_t_from_fp8` it is made in the backward from the saved FP8 rows)."""
+        return torch.is_grad_enabled() and self.weight.requires_grad and not plan.x_t_from_fp8
+
     def forward_quantized(self, x: Tensor, x_rows: Tensor, x_rows_scale: Tensor, x_t: Tensor,
                           x_t_scale: Tensor) -> Tensor:
         """The forward from the input's operands made by its producer (`ops.quantize_swiglu`: rows, and
@@ -258,13 +269,11 @@ class FP8Linear(nn.Linear):
                                "freeze_weight(False) before training it")
         x2d = x.reshape(-1, x.shape[-1])
         plan = self.plan(x2d)
-        dev = x.device.type
-        out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
-        # a backward that computes dW needs input.T: made now from x, or later from the saved FP8 rows
+        out_dtype = output_dtype(x)
+        x_rows, x_rows_scale, x_t, x_t_scale = x_operands or self._quantize_input(x, x2d, plan,
+                                                                                  self.makes_input_t(plan))
         grad_weight = torch.is_grad_enabled() and self.weight.requires_grad
-        x_rows, x_rows_scale, x_t, x_t_scale = x_operands or self._quantize_input(
-            x, x2d, plan, grad_weight and not plan.x_t_from_fp8)
-        x_saved = ((x_rows, x_rows_scale) if plan.x_t_from_fp8 else (x_t, x_t_scale)) if grad_weight else (None, None)
+        x_saved = ops.wgrad_input(plan, x_rows, x_rows_scale, x_t, x_t_scale) if grad_weight else (None, None)
         w, w_scale = self.weight_operand(plan)
         weight = self.weight
         if self._frozen_plan is not None:

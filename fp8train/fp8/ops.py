@@ -58,6 +58,7 @@ except ImportError:  # no triton (CPU-only installs): the reference path is used
 
 __all__ = ["OperandSpec", "LinearPlan", "Route", "gemm_route", "contraction_pad", "gemm", "quantize_operand",
            "dequantize_operand", "pad_operand", "quantize_input", "quantize_weight", "weight_transposes", "transpose_weight",
+           "wgrad_input",
            "linear_forward", "linear_backward", "linear_backward_gemms", "quantize_swiglu", "quantize_swiglu_grads",
            "swiglu_reference", "swiglu_grads_reference", "reference_fp8_linear", "load_deep_gemm"]
 
@@ -252,8 +253,8 @@ def _quantize_activation(x2d: Tensor, rows: OperandSpec, cols: OperandSpec, pow2
     if _tile_kernel_applies(rows, cols, cublas):
         if torch.compiler.is_compiling():  # its triton_op: inductor sees into it and launches it itself
             return _kernels.quantize_tiles_op(x2d, rows.fmt.dtype, cols.fmt.dtype, pow2, rows.pad, make_cols)
-        qr, sr, qc, sc = _kernels.quantize_tiles_and_transpose(x2d, rows.fmt, cols.fmt, pow2, rows.pad, make_cols)
-        return (qr, sr.t(), qc, sc.t()) if make_cols else (qr, sr.t(), *_empty(x2d))
+        return _kernels.ops_layout(_kernels.quantize_tiles_and_transpose(x2d, rows.fmt, cols.fmt, pow2, rows.pad,
+                                                                         make_cols), x2d)
     rd, rs = quantize_operand(x2d, rows, pow2)
     if not make_cols:
         return rd, rs, *_empty(x2d)
@@ -416,6 +417,13 @@ def _forward_impl(x_rows: Tensor, x_rows_scale: Tensor, weight: Tensor, w: Tenso
     if w is None:
         w, w_scale = quantize_weight(weight, p.w, p.pow2, False, p.cublas)
     return gemm(x_rows, x_rows_scale, p.x, w, w_scale, p.w, out_dtype, p.cublas, p.deep_gemm)
+
+
+def wgrad_input(plan: LinearPlan, rows: Tensor, rows_scale: Tensor, cols: Tensor,
+                cols_scale: Tensor) -> tuple[Tensor, Tensor]:
+    """What a forward saves for grad_weight's input operand: input.T's (cols), or with the plan's
+    `x_t_from_fp8` the input rows (input.T is re-quantized from them in the backward)."""
+    return (rows, rows_scale) if plan.x_t_from_fp8 else (cols, cols_scale)
 
 
 def _backward_impl(dy: Tensor, weight: Tensor, w: Tensor | None, w_scale: Tensor | None, x_saved: Tensor | None,

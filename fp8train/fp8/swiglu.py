@@ -29,14 +29,23 @@ frozen to FP8 or gathered by FSDP in FP8, it runs the three Linears as they are.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import ops
-from .linear import FP8Linear, runs_on_cublas
+from .linear import FP8Linear, output_dtype, runs_on_cublas
 from .ops import LinearPlan
 
 __all__ = ["FP8SwiGLUMLP", "swiglu_mlp_applies"]
+
+
+def _save_fp8(t: Tensor, plan: LinearPlan) -> list[Tensor]:
+    """t's FP8 rows and scale (`plan`'s input operand: the down projection's), what is saved for backward."""
+    return list(ops.quantize_input(t.detach().reshape(-1, t.shape[-1]), plan, False)[:2])
+
+
+def _load_fp8(data: Tensor, scale: Tensor, plan: LinearPlan, shape: torch.Size, dtype: torch.dtype) -> Tensor:
+    """The values `_save_fp8` kept, dequantized, in `shape` and `dtype`."""
+    return ops.dequantize_operand(data, scale, plan.x)[:, : shape[-1]].to(dtype).view(shape)
 
 
 class _SwiGLUFn(torch.autograd.Function):
@@ -44,24 +53,17 @@ class _SwiGLUFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, g: Tensor, u: Tensor, plan: LinearPlan) -> Tensor:
-        h = F.silu(g) * u
-        saved = []
-        for t in (g, u):
-            data, scale, _, _ = ops.quantize_input(t.detach().reshape(-1, t.shape[-1]), plan, False)
-            saved += [data, scale]
-        ctx.save_for_backward(*saved)
+        ctx.save_for_backward(*_save_fp8(g, plan), *_save_fp8(u, plan))
         ctx.plan, ctx.shape, ctx.dtypes = plan, g.shape, (g.dtype, u.dtype)
-        return h
+        return ops.swiglu_reference(g, u)
 
     @staticmethod
     def backward(ctx, dh: Tensor):
         gd, gs, ud, us = ctx.saved_tensors
-        k = ctx.shape[-1]
-        g = ops.dequantize_operand(gd, gs, ctx.plan.x)[:, :k].to(ctx.dtypes[0]).view(ctx.shape)
-        u = ops.dequantize_operand(ud, us, ctx.plan.x)[:, :k].to(ctx.dtypes[1]).view(ctx.shape)
-        grad_u = dh * F.silu(g) if ctx.needs_input_grad[1] else None
-        grad_g = torch.ops.aten.silu_backward(dh * u, g) if ctx.needs_input_grad[0] else None
-        return grad_g, grad_u, None
+        g = _load_fp8(gd, gs, ctx.plan, ctx.shape, ctx.dtypes[0])
+        u = _load_fp8(ud, us, ctx.plan, ctx.shape, ctx.dtypes[1])
+        grad_g, grad_u = ops.swiglu_grads_reference(dh, g, u)
+        return grad_g if ctx.needs_input_grad[0] else None, grad_u if ctx.needs_input_grad[1] else None, None
 
 
 def swiglu_mlp_applies(module: nn.Module) -> bool:
@@ -94,10 +96,8 @@ class _GateUpSwiGLUFn(torch.autograd.Function):
         g = ops.linear_forward(xr, xr_s, w_gate.detach(), wg, wg_scale, plan, out_dtype)
         u = ops.linear_forward(xr, xr_s, w_up.detach(), wu, wu_scale, plan, out_dtype)
         h_ops = ops.quantize_swiglu(g, u, plan, h_cols)
-        x_saved = ((xr, xr_s) if plan.x_t_from_fp8 else (xc, xc_s)) if want_dw else (None, None)
-        saved_gu = [g, None, u, None]
-        if save_fp8:  # rows only: the down projection's input quantization applied to g and u
-            saved_gu = [*ops.quantize_input(g, plan, False)[:2], *ops.quantize_input(u, plan, False)[:2]]
+        x_saved = ops.wgrad_input(plan, xr, xr_s, xc, xc_s) if want_dw else (None, None)
+        saved_gu = [*_save_fp8(g, plan), *_save_fp8(u, plan)] if save_fp8 else [g, None, u, None]
         ctx.save_for_backward(w_gate, w_up, wg, wg_scale, wu, wu_scale, *x_saved, *saved_gu)
         ctx.plan, ctx.x_shape, ctx.x_dtype, ctx.gu_shape, ctx.gu_dtype = plan, x.shape, x.dtype, g.shape, g.dtype
         standin = g.new_empty_strided((*x.shape[:-1], g.shape[-1]), (0,) * x.dim())
@@ -109,8 +109,8 @@ class _GateUpSwiGLUFn(torch.autograd.Function):
         w_gate, w_up, wg, wg_scale, wu, wu_scale, x_saved, x_saved_scale, g, g_scale, u, u_scale = ctx.saved_tensors
         p, (M, I) = ctx.plan, ctx.gu_shape
         if g_scale is not None:
-            g = ops.dequantize_operand(g, g_scale, p.x)[:, :I].to(ctx.gu_dtype)
-            u = ops.dequantize_operand(u, u_scale, p.x)[:, :I].to(ctx.gu_dtype)
+            g = _load_fp8(g, g_scale, p, ctx.gu_shape, ctx.gu_dtype)
+            u = _load_fp8(u, u_scale, p, ctx.gu_shape, ctx.gu_dtype)
         want_dx, want_dwg, want_dwu = ctx.needs_input_grad[:3]
         grads = ops.quantize_swiglu_grads(dh.reshape(M, I), g, u, p, want_dwg or want_dwu)
         dxg, dwg = ops.linear_backward_gemms(*grads[:4], w_gate.detach(), wg, wg_scale, x_saved, x_saved_scale, p,
@@ -146,17 +146,14 @@ class FP8SwiGLUMLP(nn.Module):
         down = self.down_proj
         if self._fusable():
             plan = down.plan(x)
-            dev = x.device.type
-            out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
-            grad = torch.is_grad_enabled()
-            h_cols = grad and down.weight.requires_grad and not plan.x_t_from_fp8
             h, *h_ops = _GateUpSwiGLUFn.apply(x, self.gate_proj.weight, self.up_proj.weight,
                                               *self.gate_proj.weight_operand(plan), *self.up_proj.weight_operand(plan),
-                                              plan, out_dtype, h_cols, self.recipe.swiglu_inputs_fp8 and grad)
+                                              plan, output_dtype(x), down.makes_input_t(plan),
+                                              self.recipe.swiglu_inputs_fp8 and torch.is_grad_enabled())
             return down.forward_quantized(h, *h_ops)
         g, u = self.gate_proj(x), self.up_proj(x)
         if not self.recipe.swiglu_inputs_fp8 or not torch.is_grad_enabled() or not (g.requires_grad or u.requires_grad):
-            return down(F.silu(g) * u)
+            return down(ops.swiglu_reference(g, u))
         return down(_SwiGLUFn.apply(g, u, self._plans[runs_on_cublas(g, self.recipe)]))
 
     @property

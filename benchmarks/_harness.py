@@ -33,3 +33,14 @@ def append_jsonl(path: Path | None, record: dict) -> None:
     if path is not None:
         with open(path, "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
+
+
+def projection_shapes(preset: str) -> dict[str, tuple[int, int]]:
+    """(out_features, in_features) of a decoder layer's projections in a model preset (fp8train's PRESETS):
+    q/o, k/v, gate/up, down."""
+    from fp8train.train.model import PRESETS
+
+    c = PRESETS[preset]
+    h, i = c["hidden_size"], c["intermediate_size"]
+    kv = h // c["num_attention_heads"] * c["num_key_value_heads"]
+    return {"q/o": (h, h), "k/v": (kv, h), "gate/up": (i, h), "down": (h, i)}

@@ -21,15 +21,14 @@ import sys
 import torch
 import triton.testing
 
+from _harness import projection_shapes  # a sibling module (benchmarks/ is on sys.path)
 from fp8train import FP8Linear, cache_fp8_weights
 from fp8train.fp8 import kernels as _triton_quant
 from fp8train.fp8 import ops
 from fp8train.fp8.recipe import make_recipe
 
-SHAPES = {  # (N, K) = (out_features, in_features)
-    "1.5B q/o": (1536, 1536), "1.5B k/v": (256, 1536), "1.5B gate/up": (8960, 1536), "1.5B down": (1536, 8960),
-    "7B q/o": (3584, 3584), "7B k/v": (512, 3584), "7B gate/up": (18944, 3584), "7B down": (3584, 18944),
-}
+SHAPES = {f"{tag} {name}": nk for tag, preset in (("1.5B", "qwen2.5-1.5b"), ("7B", "qwen2.5-7b"))  # (N, K)
+          for name, nk in projection_shapes(preset).items()}
 
 
 def _ms(fn) -> float:

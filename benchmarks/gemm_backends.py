@@ -25,13 +25,11 @@ from pathlib import Path
 
 import torch
 
+from _harness import projection_shapes  # a sibling module (benchmarks/ is on sys.path)
 from fp8train.fp8 import ops
 from fp8train.fp8.recipe import make_recipe
 
-SHAPES = {  # (N, K) = (out_features, in_features)
-    "1.5b": {"q/o": (1536, 1536), "k/v": (256, 1536), "gate/up": (8960, 1536), "down": (1536, 8960)},
-    "7b": {"q/o": (3584, 3584), "k/v": (512, 3584), "gate/up": (18944, 3584), "down": (3584, 18944)},
-}
+SHAPES = {"1.5b": projection_shapes("qwen2.5-1.5b"), "7b": projection_shapes("qwen2.5-7b")}  # (N, K) per projection
 
 
 _PER_LAYER = {"q/o": 2, "k/v": 2, "gate/up": 2, "down": 1}  # projections of each shape in a decoder layer

@@ -12,7 +12,8 @@ A variant may carry recipe modifiers, for A/B runs in one process: `hybrid+wgrad
 `wgrad_input_from_fp8`: one FP8 copy of each input, input.T re-quantized from it in the backward),
 `hybrid+swiglu_fp8` (`swiglu_inputs_fp8`: the SwiGLU's inputs saved for backward in FP8), `hybrid+deep_gemm`
 (`deep_gemm`: output and grad_input on DeepGEMM's kernel), `hybrid+exact` (`pow2_scale: false`),
-`hybrid+fused` (`fuse_swiglu`: the SwiGLU fused into its FP8 producers).
+`hybrid+unfused` (`fuse_swiglu: false`: three FP8 Linears per MLP instead of the SwiGLU fused into its FP8
+producers, hybrid's default; `+fused` turns it on for the other recipes).
 `compiled` applies torch.compile to each decoder layer, for every variant alike (the trainer's
 `train.compile`); `cudagraphs` also replays each layer as CUDA graphs (`train.cuda_graphs`). Step time
 is the median of the timed steps after the warm-up; peak memory is torch.cuda.max_memory_allocated over
@@ -43,7 +44,8 @@ __all__ = ["BenchCase", "run_case", "parse_variant", "categorize_profile", "top_
 VARIANTS = ("bf16", "hybrid", "tensorwise", "torchao-tensorwise", "torchao-rowwise")
 # `name+modifier`: (recipe field, value)
 _MODIFIERS = {"wgrad_from_fp8": ("wgrad_input_from_fp8", True), "swiglu_fp8": ("swiglu_inputs_fp8", True),
-              "deep_gemm": ("deep_gemm", True), "exact": ("pow2_scale", False), "fused": ("fuse_swiglu", True)}
+              "deep_gemm": ("deep_gemm", True), "exact": ("pow2_scale", False), "fused": ("fuse_swiglu", True),
+              "unfused": ("fuse_swiglu", False)}
 MODES = ("eager", "compiled", "cudagraphs")
 
 _KERNEL_CATEGORIES = [  # (category, regex on the CUDA kernel name), first match wins

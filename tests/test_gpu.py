@@ -343,7 +343,7 @@ def test_swiglu_inputs_fp8_on_cuda():
         torch.manual_seed(1)
         wrapper = torch.nn.Module()
         wrapper.mlp = Qwen2MLP(Qwen2Config(hidden_size=1536, intermediate_size=8960, hidden_act="silu")).cuda()
-        recipe = make_recipe("hybrid", swiglu_inputs_fp8=swiglu_fp8)
+        recipe = make_recipe("hybrid", swiglu_inputs_fp8=swiglu_fp8, fuse_swiglu=False)  # the knob alone
         report = convert_to_fp8(wrapper, recipe, lambda m, fqn: True)
         assert report.swiglu_mlps == (["mlp"] if swiglu_fp8 else [])
         xr = x.clone().requires_grad_()

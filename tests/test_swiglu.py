@@ -17,9 +17,9 @@ from fp8train.fp8.swiglu import FP8SwiGLUMLP, _SwiGLUFn
 from test_convert import tiny
 from test_trainer import byte_tokenizer, corpus, one_thread  # noqa: F401 (fixtures)
 
-SWIGLU = make_recipe("hybrid", swiglu_inputs_fp8=True)
-UNFUSED = make_recipe("hybrid")
-FUSED = make_recipe("hybrid", fuse_swiglu=True)
+SWIGLU = make_recipe("hybrid", swiglu_inputs_fp8=True, fuse_swiglu=False)
+UNFUSED = make_recipe("hybrid", fuse_swiglu=False)
+FUSED = make_recipe("hybrid")  # the default: fused
 
 
 def _sqnr(x, ref):
@@ -141,7 +141,9 @@ def test_trainer_config_key(tmp_path, byte_tokenizer, corpus, capsys):
     assert all(isinstance(layer.mlp, FP8SwiGLUMLP) for layer in trainer.model.model.layers)
     losses = trainer.fit().losses
     assert losses[10] < losses[1] - 0.5, losses
-    assert "2 SwiGLU MLPs converted whole (SwiGLU inputs saved in FP8)" in capsys.readouterr().out
+    # hybrid fuses the SwiGLU by default
+    assert ("2 SwiGLU MLPs converted whole (SwiGLU fused into its FP8 producers, SwiGLU inputs saved in FP8)"
+            in capsys.readouterr().out)
 
 
 @pytest.mark.parametrize("fuse", ["true", "false"])
@@ -268,6 +270,34 @@ def test_trainer_fuse_swiglu_key_trains_the_same_run(tmp_path, byte_tokenizer, c
     fused, plain = losses("true"), losses("false")
     assert "2 SwiGLU MLPs converted whole (SwiGLU fused into its FP8 producers)" in capsys.readouterr().out
     assert fused == plain and fused[6] < fused[1], (fused, plain)
+
+
+def test_fused_by_default_where_the_producer_kernels_exist(tmp_path, byte_tokenizer, corpus):
+    """The hybrid recipe fuses the SwiGLU by default (its 1x128 tile kernels are the producers; measured
+    faster on the H200); the tensor-wise and row-wise recipes do not; the trainer's `fuse_swiglu: null` (its
+    default) takes the recipe's, and `false` keeps three FP8 Linears."""
+    from fp8train.train.trainer import Trainer
+    from test_trainer import tiny_config
+
+    assert make_recipe("hybrid").fuse_swiglu and not make_recipe("hybrid", fuse_swiglu=False).fuse_swiglu
+    assert not make_recipe("tensorwise").fuse_swiglu and not make_recipe("rowwise").fuse_swiglu
+    for key, recipe, fused in ((None, "hybrid", True), ("false", "hybrid", False), (None, "tensorwise", False)):
+        overrides = {"recipe": recipe, **({"fuse_swiglu": key} if key else {})}
+        cfg = tiny_config(tmp_path / f"{recipe}-{key}", byte_tokenizer, corpus, **overrides)
+        trainer = Trainer(cfg, progress=False)
+        assert [isinstance(layer.mlp, FP8SwiGLUMLP) for layer in trainer.model.model.layers] == [fused] * 2, (key, recipe)
+
+
+def test_converting_again_keeps_the_first_recipe():
+    """A model converted already (`fp8train bench` converts variants with modifiers before the trainer does):
+    a second conversion leaves its FP8Linears and their recipe alone, so an MLP converted unfused stays
+    three Linears under a fusing recipe, and the summary says the layers arrived in FP8."""
+    model = tiny()
+    convert_to_fp8(model, UNFUSED)
+    report = convert_to_fp8(model, FUSED)
+    assert not report.converted and not report.swiglu_mlps
+    assert not any(isinstance(m, FP8SwiGLUMLP) for m in model.modules())
+    assert "0 Linear layers in FP8, 1 kept in BF16; 14 arrived as FP8Linear, left as they are" in str(report)
 
 
 def test_fused_mlp_saves_less_for_backward_eagerly():

@@ -26,6 +26,7 @@ __all__ = ["ConversionReport", "convert_to_fp8", "compile_options", "cache_fp8_w
            "DECODER_PROJECTIONS"]
 
 DECODER_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_ALREADY = "already FP8Linear"
 
 
 @dataclass
@@ -39,12 +40,15 @@ class ConversionReport:
     """What converting them changed, in words (`FP8SwiGLUMLP.conversion`)."""
 
     def __str__(self) -> str:
-        lines = [f"fp8train: recipe {self.recipe}: {len(self.converted)} Linear layers in FP8, {len(self.skipped)} kept in BF16"]
-        if self.swiglu_mlps:
-            lines.append(f"  {len(self.swiglu_mlps)} SwiGLU MLPs converted whole ({self.swiglu_conversion})")
         reasons = defaultdict(list)
         for name, why in self.skipped.items():
             reasons[why].append(name)
+        already = reasons.pop(_ALREADY, [])  # converted before (with their own recipe): in FP8, not "kept in BF16"
+        lines = [f"fp8train: recipe {self.recipe}: {len(self.converted)} Linear layers in FP8, "
+                 f"{len(self.skipped) - len(already)} kept in BF16"
+                 + (f"; {len(already)} arrived as FP8Linear, left as they are" if already else "")]
+        if self.swiglu_mlps:
+            lines.append(f"  {len(self.swiglu_mlps)} SwiGLU MLPs converted whole ({self.swiglu_conversion})")
         for why, names in reasons.items():
             shown = ", ".join(names[:3]) + (f", ... ({len(names)} in all)" if len(names) > 3 else "")
             lines.append(f"  kept in BF16 ({why}): {shown}")
@@ -95,7 +99,7 @@ def convert_to_fp8(
         if not isinstance(module, nn.Linear):
             continue
         if isinstance(module, FP8Linear):
-            report.skipped[fqn] = "already FP8Linear"
+            report.skipped[fqn] = _ALREADY
         elif module is lm_head or fqn.rsplit(".", 1)[-1] == "lm_head":
             report.skipped[fqn] = "LM head stays BF16"
         elif not wanted(module, fqn):
@@ -109,15 +113,20 @@ def convert_to_fp8(
             parent = model.get_submodule(parent_name) if parent_name else model
             setattr(parent, child, FP8Linear.from_linear(module, recipe, input_cache))
             report.converted.append(fqn)
-    if recipe.fuse_swiglu or recipe.swiglu_inputs_fp8:
+    if _converts_whole(recipe):
         for fqn, module in list(model.named_modules()):
-            if fqn and swiglu_mlp_applies(module):  # (a bare MLP passed as the model cannot replace itself)
+            # (a bare MLP passed as the model cannot replace itself; Linears converted before keep their recipe)
+            if fqn and swiglu_mlp_applies(module) and _converts_whole(module.down_proj.recipe):
                 parent_name, _, child = fqn.rpartition(".")
                 mlp = FP8SwiGLUMLP(module)
                 setattr(model.get_submodule(parent_name) if parent_name else model, child, mlp)
                 report.swiglu_mlps.append(fqn)
                 report.swiglu_conversion = mlp.conversion
     return report
+
+
+def _converts_whole(recipe: Fp8Recipe) -> bool:
+    return recipe.fuse_swiglu or recipe.swiglu_inputs_fp8
 
 
 def compile_options() -> dict:

@@ -107,8 +107,10 @@ class Fp8Recipe:
     input quantized in the kernel that computes silu(g) * u, and the gate and up projections' output gradients
     in the kernels that compute the SwiGLU's derivatives, so neither activation is written in BF16 and read
     again. The same BF16 arithmetic (bit for bit on the CPU; on CUDA the sigmoid as inductor computes it).
-    The kernels measured 1.18-1.37x faster than what they replace on the H200; off until the whole step is
-    measured there (docs/benchmarks.md, issue 18 item 1)."""
+    On by default in the hybrid recipe, whose 1x128 tile kernels the producers are: on the H200 the kernels
+    are 1.18-1.37x faster than what they replace, a Qwen2.5-7B step's kernel time 0.9% shorter and its step
+    0.4% (docs/benchmarks.md section 0); off elsewhere (no producer kernels: the fused structure would run the
+    same ops unfused)."""
     deep_gemm: bool = False
     """The tile x block GEMMs (output and grad_input, BF16 out) run on DeepGEMM's SM90 kernel instead of
     cuBLAS's where they run on cuBLAS: the same products (bit-identical on the H200), up to 21% faster per GEMM
@@ -135,6 +137,7 @@ _RECIPES = {
         output=_gemm(_E4, TILE, _E4, BLOCK),       # input per token tile, weight per 128x128 block
         grad_input=_gemm(_E4, TILE, _E4, BLOCK),   # grad_output per token tile, weight.T per block
         grad_weight=_gemm(_E4, TILE, _E4, TILE),   # both operands tiled along the token dim
+        fuse_swiglu=True,                          # its tile kernels have the SwiGLU producers
     ),
     RecipeName.TENSORWISE: dict(
         output=_gemm(_E4, None, _E4, None),
@@ -165,4 +168,4 @@ def make_recipe(name: "str | RecipeName | Fp8Recipe" = "hybrid", *, pow2_scale: 
         raise ValueError(
             f"unknown FP8 recipe {name!r}; expected one of {[r.value for r in RecipeName]}"
         ) from None
-    return Fp8Recipe(name=rname, **_RECIPES[rname], **knobs)
+    return Fp8Recipe(name=rname, **{**_RECIPES[rname], **knobs})

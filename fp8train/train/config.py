@@ -118,15 +118,15 @@ class TrainConfig:
     """FP8 recipe of the decoder Linears: `hybrid` (InfiR2: 1x128 activations, 128x128 weights), or `bf16`."""
     pow2_scale: bool = True
     """Round FP8 scales to powers of two (exact in binary; the paper's default). false: exact scales, which cut
-    the FP8 loss gap by 40-48% on SmolLM2-135M (docs/fidelity.md) for 1.4-1.7% of step time at Qwen2.5-7B."""
+    the FP8 loss gap by 40-48% on SmolLM2-135M (docs/fidelity.md) at no measurable step time at Qwen2.5-7B."""
     swiglu_inputs_fp8: bool = False
     """Save the MLP's SwiGLU inputs (gate and up outputs) for backward as FP8 1x128 tiles instead of BF16:
     less activation memory, the backward's SwiGLU derivative from FP8-rounded values (docs/fidelity.md)."""
-    fuse_swiglu: bool = False
+    fuse_swiglu: bool | None = None
     """Run each SwiGLU MLP as one piece: the down projection's FP8 input made in the kernel that computes
     silu(gate) * up, the gate and up projections' FP8 output gradients in the ones that compute its derivatives
-    (neither written in BF16 and read again). The same BF16 arithmetic; the kernels 1.2-1.4x faster than what
-    they replace on the H200, the whole step not yet measured (docs/benchmarks.md). false: three FP8 Linears."""
+    (neither written in BF16 and read again). The same BF16 arithmetic, 0.9% less kernel time at Qwen2.5-7B on
+    the H200 (docs/benchmarks.md). null: the recipe's default (on for hybrid); false: three FP8 Linears."""
     deep_gemm: bool = False
     """Run the hybrid recipe's output and grad_input GEMMs on DeepGEMM's SM90 kernel instead of cuBLAS's: the
     same numbers, 2% faster steps at Qwen2.5-7B, 5% for LoRA (docs/benchmarks.md section 0a, which says how to

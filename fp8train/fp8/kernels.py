@@ -270,11 +270,12 @@ def _quantize_tiles(x2d, others, producer: int, row_fmt, col_fmt, pow2: bool, pa
         qc = torch.empty(K, Mp, dtype=col_fmt.dtype, device=dev)
         sc = torch.empty(Mp // _SIDE, K, dtype=torch.float32, device=dev)
         m_tiles = -(-max(Mp, M) // _SIDE)
-    else:  # dummies: the kernel compiles the cols store out
-        qc, sc, m_tiles = qr, sr, -(-M // _SIDE)
+    else:
+        qc, sc, m_tiles = None, None, -(-M // _SIDE)
     grid = (m_tiles, -(-max(Kp, K) // _SIDE))
-    # None where the producer reads fewer (compiled out). Not x2d again: inductor then copies x2d before
-    # each launch (0.65 ms per Qwen2.5-7B layer at 8192 tokens on the H200, docs/benchmarks.md)
+    # None for a pointer the launch does not use (compiled out), never a tensor passed twice: under
+    # torch.compile inductor then copies it before the launch (0.65 ms per Qwen2.5-7B layer at 8192 tokens
+    # on the H200 when x2d stood in for y and z; docs/benchmarks.md)
     y, z = (*others, None, None)[:2]
     _launcher(_act_kernel, traced)[grid](
         x2d, M, K, x2d.stride(0), qr, sr, Kp, qc, sc, Mp, y, z, ROW_MAX=row_fmt.max, COL_MAX=col_fmt.max,

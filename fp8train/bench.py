@@ -230,9 +230,11 @@ def run_case(case: BenchCase, *, steps: int = 5, warmup: int = 2, device: str = 
         times.append(time.perf_counter() - t0)
         losses.append(loss)
     step_s = statistics.median(times[warmup:])
+    timed_ms = [t * 1e3 for t in times[warmup:]]
     tflops = flops_per_token(model.config, seq) * seq / step_s / 1e12
     res = {"model": case.model, "layers": model.config.num_hidden_layers, "seq": seq, "variant": case.variant,
-           "loss_impl": case.loss_impl, "mode": case.mode, "step_ms": step_s * 1e3, "tokens_per_s": seq / step_s, "tflops": tflops,
+           "loss_impl": case.loss_impl, "mode": case.mode, "step_ms": step_s * 1e3,
+           "step_ms_range": [min(timed_ms), max(timed_ms)], "tokens_per_s": seq / step_s, "tflops": tflops,
            # MFU against the BF16 peak for every variant (the FP8 one would halve FP8's figures)
            "mfu_bf16_peak": tflops / (peak_tflops(torch.device(device), fp8=False) or float("nan")),
            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda
@@ -265,8 +267,14 @@ def _base(results: list[dict], r: dict) -> dict | None:
                  ("model", "layers", "seq", "mode", "loss_impl"))), None)
 
 
+def _range(r: dict) -> str:
+    """' (lo-hi)': the fastest and slowest timed step, beside the median (the spread a difference must beat)."""
+    lo_hi = r.get("step_ms_range")
+    return f" ({lo_hi[0]:.1f}-{lo_hi[1]:.1f})" if lo_hi else ""
+
+
 def markdown_table(results: list[dict]) -> str:
-    lines = ["| model | layers | seq | mode | variant | step ms | tokens/s | TFLOP/s | MFU (BF16 peak) | peak GiB "
+    lines = ["| model | layers | seq | mode | variant | step ms (timed steps' range) | tokens/s | TFLOP/s | MFU (BF16 peak) | peak GiB "
              "| speed x BF16 | memory x BF16 | loss first / last |", "|" + "---|" * 13]
     for r in results:
         b = _base(results, r)
@@ -274,7 +282,7 @@ def markdown_table(results: list[dict]) -> str:
         mem = f"{r['peak_mem_gib'] / b['peak_mem_gib']:.3f}" if b else "-"
         variant = r["variant"] + (f" ({r['loss_impl']} loss)" if r.get("loss_impl", "chunked") != "chunked" else "")
         lines.append(f"| {r['model']} | {r['layers']} | {r['seq']} | {r['mode']} | "
-                     f"{variant} | {r['step_ms']:.1f} | {r['tokens_per_s']:,.0f} | {r['tflops']:.0f} | "
+                     f"{variant} | {r['step_ms']:.1f}{_range(r)} | {r['tokens_per_s']:,.0f} | {r['tflops']:.0f} | "
                      f"{r['mfu_bf16_peak']:.1%} | {r['peak_mem_gib']:.1f} | {sp} | {mem} | "
                      f"{r['loss_first']:.3f} / {r['loss_last']:.3f}"
                      + (f" ({r['skipped_steps']} NON-FINITE steps: invalid)" if r.get("skipped_steps") else "") + " |")

@@ -31,6 +31,7 @@ def test_variant_modifiers(capsys):
     res = {v: run_case(BenchCase("tiny-qwen2", None, 64, v, "eager", 512), steps=1, warmup=1, device="cpu")
            for v in variants}
     assert all(r["fp8_layers"] == 14 for r in res.values()), res
+    assert all(r["step_ms_range"][0] <= r["step_ms"] <= r["step_ms_range"][1] for r in res.values()), res
     for v in variants[1:]:
         assert res[v]["loss_first"] == res["hybrid"]["loss_first"], v  # the same forward
     with pytest.raises(ValueError, match="unknown variant 'hybrid\\+fast'"):
@@ -69,6 +70,11 @@ def test_profile_counts_kernels_once_and_splits_fp8_gemms_by_kernel_name():
                              "tokens_per_s": 4.0, "tflops": 1.0, "mfu_bf16_peak": 0.1, "peak_mem_gib": 1.0,
                              "loss_first": 1.0, "loss_last": 0.5, "profile_ms": p}])
     assert "| 3.0 | 5.0 | 1.0 | 2.0 | 0.2 | 0.5 | 0.0 | 11.8 |" in table
+    assert "| bf16 | 2.0 | 4 |" in table  # a result without the steps' range (older JSON lines)
+    ranged = markdown_table([{"model": "m", "layers": 1, "seq": 8, "variant": "bf16", "mode": "eager", "step_ms": 2.0,
+                              "step_ms_range": [1.94, 2.31], "tokens_per_s": 4.0, "tflops": 1.0, "mfu_bf16_peak": 0.1,
+                              "peak_mem_gib": 1.0, "loss_first": 1.0, "loss_last": 0.5}])
+    assert "| bf16 | 2.0 (1.9-2.3) | 4 |" in ranged
 
 
 def test_gemm_backends_table_routes_grad_weight_to_cublas():

@@ -9,6 +9,8 @@ batches (the data split is fixed by --seed) and differs only in what its spec na
     hybrid+exact                  ... with exact FP32 scales (amax / 448) instead of powers of two
     hybrid+keep=0,1,-2,-1         ... with those decoder layers left in BF16 (the `bf16_layers` key)
     hybrid+exact+keep=0,-1@1      combinations, and any arm with another training seed
+    hybrid+swiglu_fp8, ...        any recipe modifier of `fp8train.parse_recipe` (`fp8train bench`'s spelling)
+                                  that is a training config key (all but wgrad_from_fp8)
 
 Per arm: CPT (`--cpt-steps` of 32 x 2,048 tokens, warmup-stable-decay), SFT of that result on GSM8K
 (`--sft-steps` of 16 x 2,048), greedy exact-match accuracy on the `--holdout` problems, and the FP8 health
@@ -32,7 +34,7 @@ import json
 import sys
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
@@ -40,6 +42,8 @@ import torch
 import fidelity as fid  # benchmarks/ is on sys.path: the folder of the script, or tests/_benchmarks.py
 from fp8train.cli import keep_freed_memory
 from fp8train.data import build_sft_datasets, load_tokenizer
+from fp8train.fp8.recipe import MODIFIERS
+from fp8train.train.config import TrainConfig
 from fp8train.train.files import write_text_atomic
 from fp8train.train.model import ModelConfig, build_model
 from fp8train.train.optim import OptimConfig
@@ -53,35 +57,50 @@ class Arm:
 
     spec: str
     recipe: str
-    pow2_scale: bool
+    knobs: tuple[tuple[str, bool], ...]
+    """(config key, value) of the spec's recipe modifiers, in its order (`exact`: ("pow2_scale", False))."""
     bf16_layers: tuple[int, ...]
     seed: int
+
+    @property
+    def pow2_scale(self) -> bool:
+        return dict(self.knobs).get("pow2_scale", True)
 
     @property
     def slug(self) -> str:
         return self.spec.replace("+", "_").replace("=", "").replace(",", "_").replace("@", "_s")
 
+    def describe(self) -> dict:
+        """The arm as the results record it: recipe, pow2_scale, any other knob, bf16_layers, seed."""
+        return {"recipe": self.recipe, "pow2_scale": self.pow2_scale, **dict(self.knobs),
+                "bf16_layers": list(self.bf16_layers), "seed": self.seed}
+
+
+_CONFIG_KEYS = {f.name for f in fields(TrainConfig)}
+
 
 def parse_arm(spec: str, seed: int) -> Arm:
-    """`recipe[+exact][+keep=i,j,..][@seed]` -> Arm; ValueError naming the spec and the part it cannot read."""
+    """`recipe[+modifier][+keep=i,j,..][@seed]` -> Arm; ValueError naming the spec and the part it cannot read.
+    The modifiers are `fp8train.parse_recipe`'s that are config keys."""
     body, _, seed_s = spec.partition("@")
     recipe, *mods = body.split("+")
     if recipe not in ("bf16", "hybrid", "tensorwise", "rowwise"):
         raise ValueError(f"arm {spec!r}: unknown recipe {recipe!r} (bf16, hybrid, tensorwise, rowwise)")
-    pow2, keep = True, ()
+    knobs, keep = [], ()
+    usable = [m for m, (key, _) in MODIFIERS.items() if key in _CONFIG_KEYS]
     for mod in mods:
-        if mod == "exact" and recipe != "bf16":
-            pow2 = False
+        if mod in usable and recipe != "bf16":
+            knobs.append(MODIFIERS[mod])
         elif mod.startswith("keep=") and recipe != "bf16":
             try:
                 keep = tuple(int(i) for i in mod[5:].split(","))
             except ValueError:
                 raise ValueError(f"arm {spec!r}: {mod!r} is not keep=<layer indices, comma-separated>") from None
         else:
-            raise ValueError(f"arm {spec!r}: unknown modifier {mod!r} (exact, keep=i,j,..; none for bf16)")
+            raise ValueError(f"arm {spec!r}: unknown modifier {mod!r} ({', '.join(usable)}, keep=i,j,..; none for bf16)")
     if seed_s and not seed_s.isdigit():
         raise ValueError(f"arm {spec!r}: the seed after '@' must be a non-negative integer")
-    return Arm(spec, recipe, pow2, keep, int(seed_s) if seed_s else seed)
+    return Arm(spec, recipe, tuple(knobs), keep, int(seed_s) if seed_s else seed)
 
 
 # ------------------------------------------------------------------------------------------- runs
@@ -121,13 +140,12 @@ class _Runner:
                               data=data, optim=optim, steps=steps, batch=batch, micro_batch=s.micro_batch,
                               eval_batches=s.eval_batches, model=source,
                               health_every=max(1, steps // 8) if arm.recipe != "bf16" else 0, recipe=arm.recipe,
-                              pow2_scale=arm.pow2_scale, bf16_layers=list(arm.bf16_layers))
+                              bf16_layers=list(arm.bf16_layers), **dict(arm.knobs))
 
     def run(self, arm: Arm) -> dict:
         """CPT -> SFT -> greedy accuracy of one arm: each stage's summary (curves included) and FP8 health trend."""
         s, a, runs = self.scale, self.args, self.work / "runs"
-        out: dict = {"arm": {"recipe": arm.recipe, "pow2_scale": arm.pow2_scale,
-                             "bf16_layers": list(arm.bf16_layers), "seed": arm.seed}}
+        out: dict = {"arm": arm.describe()}
         cfg = self.config(arm, "cpt", self.cpt_data, fid.cpt_schedule(s.cpt_lr), a.cpt_steps, s.cpt_batch, self.base_dir)
         out["cpt"], model = fid.train_run(cfg, copy.deepcopy(self.base), self.tokenizer, self.cpt_train, self.cpt_val)
         # the config names the CPT run's BF16 export: the FP32 model handed over in memory is not on disk

@@ -22,15 +22,13 @@ import torch._dynamo
 
 
 def saved_bytes(preset: str, recipe: str, compiled: bool, tokens: int) -> dict:
-    from fp8train import convert_to_fp8
-    from fp8train.bench import parse_variant
+    from fp8train import convert_to_fp8, parse_recipe
     from fp8train.train.model import ModelConfig, build_model, decoder_layers
 
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = build_model(ModelConfig(source=preset, vocab_size=1024, num_layers=1))
-    base, custom = parse_variant(recipe)
-    convert_to_fp8(model, custom or base)
+    convert_to_fp8(model, parse_recipe(recipe))
     layer = decoder_layers(model)[0]
     fn = torch.compile(layer, backend="aot_eager_decomp_partition") if compiled else layer
     h = torch.randn(1, tokens, model.config.hidden_size, requires_grad=True)

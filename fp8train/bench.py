@@ -38,14 +38,12 @@ from dataclasses import dataclass
 
 import torch
 
+from .fp8.recipe import MODIFIERS
+
 __all__ = ["BenchCase", "run_case", "parse_variant", "categorize_profile", "top_kernel_times", "memory_breakdown",
            "markdown_table", "main"]
 
 VARIANTS = ("bf16", "hybrid", "tensorwise", "torchao-tensorwise", "torchao-rowwise")
-# `name+modifier`: (recipe field, value)
-_MODIFIERS = {"wgrad_from_fp8": ("wgrad_input_from_fp8", True), "swiglu_fp8": ("swiglu_inputs_fp8", True),
-              "deep_gemm": ("deep_gemm", True), "exact": ("pow2_scale", False), "fused": ("fuse_swiglu", True),
-              "unfused": ("fuse_swiglu", False)}
 MODES = ("eager", "compiled", "cudagraphs")
 
 _KERNEL_CATEGORIES = [  # (category, regex on the CUDA kernel name), first match wins
@@ -165,16 +163,16 @@ def memory_breakdown(trainer, batches: list[dict]) -> dict[str, float]:
 
 
 def parse_variant(name: str):
-    """(base variant, Fp8Recipe or None) of a variant name with modifiers (`hybrid+wgrad_from_fp8`)."""
-    from dataclasses import replace
-
-    from .fp8.recipe import make_recipe
+    """(base variant, Fp8Recipe or None) of a variant name with recipe modifiers (`hybrid+wgrad_from_fp8`:
+    `fp8train.parse_recipe`'s spelling; None: the trainer builds the base's recipe itself)."""
+    from .fp8.recipe import parse_recipe
 
     base, *mods = name.split("+")
-    if base not in VARIANTS or any(m not in _MODIFIERS for m in mods):
-        raise ValueError(f"unknown variant {name!r}: one of {list(VARIANTS)}, optionally with "
-                         f"{['+' + m for m in _MODIFIERS]}")
-    return base, replace(make_recipe(base), **dict(_MODIFIERS[m] for m in mods)) if mods else None
+    if base not in VARIANTS or (mods and (base.startswith("torchao-") or base == "bf16")) \
+            or any(m not in MODIFIERS for m in mods):
+        raise ValueError(f"unknown variant {name!r}: one of {list(VARIANTS)}, fp8train's recipes optionally with "
+                         f"{['+' + m for m in MODIFIERS]}")
+    return base, parse_recipe(name) if mods else None
 
 
 def run_case(case: BenchCase, *, steps: int = 5, warmup: int = 2, device: str = "cuda", profile: bool = False,
@@ -319,7 +317,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--seq", type=int, nargs="+", default=[8192])
     p.add_argument("--vocab", type=int, default=None, help="embedding rows (default: the preset's)")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), metavar="VARIANT",
-                   help=f"{', '.join(VARIANTS)}; modifiers: {', '.join('+' + m for m in _MODIFIERS)} (see above)")
+                   help=f"{', '.join(VARIANTS)}; modifiers: {', '.join('+' + m for m in MODIFIERS)} (see above)")
     p.add_argument("--modes", nargs="+", default=["compiled"], choices=MODES,
                    help="compiled: torch.compile per layer; cudagraphs: also CUDA graphs (no per-kernel launch cost)")
     p.add_argument("--steps", type=int, default=5, help="timed steps (median)")

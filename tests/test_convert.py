@@ -62,6 +62,22 @@ def test_filter_shapes_and_bf16_recipe():
         convert_to_fp8(tiny(), "int4")
 
 
+def test_recipe_specs():
+    """`name+modifier...`: the spelling of bench variants and fidelity arms, one table (recipe.MODIFIERS)."""
+    from dataclasses import replace
+
+    from fp8train import make_recipe, parse_recipe
+
+    assert parse_recipe("hybrid") == make_recipe("hybrid")
+    assert parse_recipe("hybrid+exact+deep_gemm") == make_recipe("hybrid", pow2_scale=False, deep_gemm=True)
+    assert parse_recipe("tensorwise+fused").fuse_swiglu and not parse_recipe("hybrid+unfused").fuse_swiglu
+    assert parse_recipe("hybrid+wgrad_from_fp8") == replace(make_recipe("hybrid"), wgrad_input_from_fp8=True)
+    with pytest.raises(ValueError, match="recipe 'hybrid.fast': unknown modifier 'fast'"):
+        parse_recipe("hybrid+fast")
+    with pytest.raises(ValueError, match="unknown FP8 recipe"):
+        parse_recipe("int4+exact")
+
+
 def test_siblings_share_one_input_quantization():
     model = tiny()
     convert_to_fp8(model)

@@ -27,12 +27,18 @@ fl = load_benchmark("fidelity_layers")
 def test_arm_specs():
     a = knobs.parse_arm("hybrid+exact+keep=0,1,-2,-1@3", seed=0)
     assert (a.recipe, a.pow2_scale, a.bf16_layers, a.seed) == ("hybrid", False, (0, 1, -2, -1), 3)
-    assert knobs.parse_arm("bf16", seed=7) == knobs.Arm("bf16", "bf16", True, (), 7)
+    assert knobs.parse_arm("bf16", seed=7) == knobs.Arm("bf16", "bf16", (), (), 7)
+    # the recipe modifiers are fp8train.parse_recipe's (fp8train bench's), where the trainer has the key
+    b = knobs.parse_arm("hybrid+swiglu_fp8+unfused", 0)
+    assert b.knobs == (("swiglu_inputs_fp8", True), ("fuse_swiglu", False)) and b.pow2_scale
+    assert b.describe() == {"recipe": "hybrid", "pow2_scale": True, "swiglu_inputs_fp8": True, "fuse_swiglu": False,
+                            "bf16_layers": [], "seed": 0}
     assert knobs.parse_arm("hybrid+keep=0,-1", 0).slug == "hybrid_keep0_-1"
     assert len({knobs.parse_arm(s, 0).slug for s in ("hybrid", "hybrid@1", "hybrid+exact", "bf16@1")}) == 4
 
 
 @pytest.mark.parametrize("spec, words", [("fp4", "unknown recipe"), ("hybrid+fast", "unknown modifier"),
+                                         ("hybrid+wgrad_from_fp8", "unknown modifier"),  # no config key
                                          ("hybrid+keep=a", "keep=<layer indices"), ("bf16+exact", "none for bf16"),
                                          ("hybrid@x", "non-negative integer")])
 def test_bad_arm_specs_name_the_spec(spec, words):

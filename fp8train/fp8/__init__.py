@@ -16,9 +16,9 @@ from .convert import ConversionReport, cache_fp8_weights, compile_options, conve
 from .health import summarize_fp8_health, track_fp8_health
 from .linear import FP8Linear
 from .quant import Fp8Tensor, dequantize, quantize
-from .recipe import Fp8Format, Fp8Recipe, RecipeName, make_recipe
+from .recipe import Fp8Format, Fp8Recipe, RecipeName, make_recipe, parse_recipe
 
 __all__ = ["ConversionReport", "FP8Linear", "Fp8Format", "Fp8Recipe", "Fp8Tensor", "RecipeName",
            "cache_fp8_weights", "compile_options", "convert_to_fp8", "dequantize", "freeze_fp8_weights", "make_recipe",
-           "quantize",
+           "parse_recipe", "quantize",
            "summarize_fp8_health", "track_fp8_health"]

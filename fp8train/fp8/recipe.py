@@ -27,7 +27,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-__all__ = ["Fp8Format", "RecipeName", "OperandConfig", "GemmConfig", "Fp8Recipe", "make_recipe", "TILE", "BLOCK", "ROW"]
+__all__ = ["Fp8Format", "RecipeName", "OperandConfig", "GemmConfig", "Fp8Recipe", "make_recipe", "parse_recipe", "MODIFIERS",
+           "TILE", "BLOCK", "ROW"]
 
 Block = tuple[int, int] | None
 
@@ -151,6 +152,26 @@ _RECIPES = {
     ),
     RecipeName.BF16: dict(output=None, grad_input=None, grad_weight=None),
 }
+
+
+MODIFIERS = {  # `+name` in a recipe spec (`hybrid+exact+deep_gemm`): (Fp8Recipe field, value)
+    "exact": ("pow2_scale", False),
+    "wgrad_from_fp8": ("wgrad_input_from_fp8", True),
+    "swiglu_fp8": ("swiglu_inputs_fp8", True),
+    "deep_gemm": ("deep_gemm", True),
+    "fused": ("fuse_swiglu", True),
+    "unfused": ("fuse_swiglu", False),
+}
+
+
+def parse_recipe(spec: str) -> Fp8Recipe:
+    """`name[+modifier...]` -> the named recipe with those `MODIFIERS` applied (the spelling of `fp8train bench`
+    variants and of the fidelity scripts' arms); ValueError naming the part it cannot read."""
+    name, *mods = spec.split("+")
+    unknown = [m for m in mods if m not in MODIFIERS]
+    if unknown:
+        raise ValueError(f"recipe {spec!r}: unknown modifier {unknown[0]!r} (one of {', '.join(MODIFIERS)})")
+    return replace(make_recipe(name), **dict(MODIFIERS[m] for m in mods))
 
 
 def make_recipe(name: "str | RecipeName | Fp8Recipe" = "hybrid", *, pow2_scale: bool | None = None,

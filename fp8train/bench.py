@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .fp8.recipe import MODIFIERS
+from .fp8.recipe import MODIFIERS, parse_recipe
 
 __all__ = ["BenchCase", "run_case", "parse_variant", "categorize_profile", "top_kernel_times", "memory_breakdown",
            "markdown_table", "main"]
@@ -165,8 +165,6 @@ def memory_breakdown(trainer, batches: list[dict]) -> dict[str, float]:
 def parse_variant(name: str):
     """(base variant, Fp8Recipe or None) of a variant name with recipe modifiers (`hybrid+wgrad_from_fp8`:
     `fp8train.parse_recipe`'s spelling; None: the trainer builds the base's recipe itself)."""
-    from .fp8.recipe import parse_recipe
-
     base, *mods = name.split("+")
     if base not in VARIANTS or (mods and (base.startswith("torchao-") or base == "bf16")) \
             or any(m not in MODIFIERS for m in mods):

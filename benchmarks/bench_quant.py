@@ -21,13 +21,17 @@ import torch
 import triton
 import triton.language as tl
 
+from _harness import projection_shapes  # a sibling module (benchmarks/ is on sys.path)
 from fp8train.fp8 import kernels as tq
 from fp8train import make_recipe, quantize
 from fp8train.fp8.recipe import Fp8Format
 
 E4M3 = Fp8Format.E4M3
-ACT_SHAPES = [(8192, 1536), (8192, 8960), (8192, 3584), (8192, 18944)]
-WEIGHT_SHAPES = [(8960, 1536), (18944, 3584), (3584, 18944)]
+TOKENS = 8192
+_1_5B, _7B = projection_shapes("qwen2.5-1.5b"), projection_shapes("qwen2.5-7b")
+SWIGLU_SHAPES = [(TOKENS, p["down"][1]) for p in (_1_5B, _7B)]  # [tokens, intermediate]: h, dg, du
+ACT_SHAPES = [(TOKENS, _1_5B["q/o"][1]), SWIGLU_SHAPES[0], (TOKENS, _7B["q/o"][1]), SWIGLU_SHAPES[1]]
+WEIGHT_SHAPES = [_1_5B["gate/up"], _7B["gate/up"], _7B["down"]]
 
 
 @triton.jit
@@ -117,7 +121,7 @@ def swiglu_rows(copy_tbs: float) -> list[dict]:
     fwd_ref = torch.compile(ops.swiglu_reference)
     bwd_ref = torch.compile(ops.swiglu_grads_reference)
     rows = []
-    for M, I in ((8192, 8960), (8192, 18944)):
+    for M, I in SWIGLU_SHAPES:
         g, u, dh = (_data((M, I), torch.bfloat16, 10 + i) for i in range(3))
         want_h = ops.quantize_input(ops.swiglu_reference(g, u), plan, True)
         dg, du = ops.swiglu_grads_reference(dh, g, u)
@@ -153,7 +157,7 @@ def main(argv=None) -> int:
         legacy = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(legacy)
 
-    big = torch.empty(8192, 18944, dtype=torch.bfloat16, device="cuda").normal_()
+    big = torch.empty(*SWIGLU_SHAPES[-1], dtype=torch.bfloat16, device="cuda").normal_()  # the largest
     copy_tbs = 2 * big.numel() * 2 / (_us(lambda: big.clone()) * 1e-6) / 1e12
     big = None  # free it before the kernels run
     print(f"device {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}  "

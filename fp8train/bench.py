@@ -258,9 +258,33 @@ def run_case(case: BenchCase, *, steps: int = 5, warmup: int = 2, device: str = 
     return res
 
 
+_SHAPE_KEYS = ("model", "layers", "seq", "mode", "loss_impl")
+
+
 def _base(results: list[dict], r: dict) -> dict | None:
+    """The BF16 result of r's shape, mode and loss, of the same round."""
     return next((b for b in results if b["variant"] == "bf16" and all(b.get(k) == r.get(k) for k in
-                 ("model", "layers", "seq", "mode", "loss_impl"))), None)
+                 (*_SHAPE_KEYS, "round"))), None)
+
+
+def _rounds_table(results: list[dict]) -> list[str]:
+    """With several rounds: each variant's speed and memory ratio to BF16, median and range over the rounds
+    (each round's ratio against that round's BF16)."""
+    groups: dict = defaultdict(list)
+    for r in results:
+        if (b := _base(results, r)) is not None and r["variant"] != "bf16":
+            groups[(*(r.get(k) for k in _SHAPE_KEYS), r["variant"])].append(
+                (b["step_ms"] / r["step_ms"], r["peak_mem_gib"] / b["peak_mem_gib"]))
+    if not any(len(v) > 1 for v in groups.values()):
+        return []
+    lines = ["", "Across rounds (each against its round's BF16): median (lowest-highest)", "",
+             "| model | layers | seq | mode | variant | rounds | speed x BF16 | memory x BF16 |", "|" + "---|" * 8]
+    for (model, layers, seq, mode, _, variant), ratios in groups.items():
+        sp, mem = ([x[i] for x in ratios] for i in (0, 1))
+        lines.append(f"| {model} | {layers} | {seq} | {mode} | {variant} | {len(ratios)} | "
+                     f"{statistics.median(sp):.3f} ({min(sp):.3f}-{max(sp):.3f}) | "
+                     f"{statistics.median(mem):.3f} ({min(mem):.3f}-{max(mem):.3f}) |")
+    return lines
 
 
 def _range(r: dict) -> str:
@@ -277,6 +301,7 @@ def markdown_table(results: list[dict]) -> str:
         sp = f"{b['step_ms'] / r['step_ms']:.3f}" if b else "-"
         mem = f"{r['peak_mem_gib'] / b['peak_mem_gib']:.3f}" if b else "-"
         variant = r["variant"] + (f" ({r['loss_impl']} loss)" if r.get("loss_impl", "chunked") != "chunked" else "")
+        variant += f" [round {r['round'] + 1}]" if r.get("round") else ""
         lines.append(f"| {r['model']} | {r['layers']} | {r['seq']} | {r['mode']} | "
                      f"{variant} | {r['step_ms']:.1f}{_range(r)} | {r['tokens_per_s']:,.0f} | {r['tflops']:.0f} | "
                      f"{r['mfu_bf16_peak']:.1%} | {r['peak_mem_gib']:.1f} | {sp} | {mem} | "
@@ -292,6 +317,7 @@ def markdown_table(results: list[dict]) -> str:
             p = r["profile_ms"]
             lines.append(f"| {r['model']}/{r['layers']} | {r['seq']} | {r['mode']} | "
                          f"{r['variant']} | " + " | ".join(f"{p.get(c, 0.0):.1f}" for c in cats) + " |")
+    lines += _rounds_table(results)
     for r in (r for r in results if "memory_gib" in r):
         lines += ["", f"Peak memory by kind, GiB: {r['model']}/{r['layers']} {r['seq']} {r['mode']} {r['variant']}", "",
                   "| kind | GiB |", "|---|---|"] + [f"| {k} | {v:.2f} |" for k, v in r["memory_gib"].items()]
@@ -319,6 +345,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--modes", nargs="+", default=["compiled"], choices=MODES,
                    help="compiled: torch.compile per layer; cudagraphs: also CUDA graphs (no per-kernel launch cost)")
     p.add_argument("--steps", type=int, default=5, help="timed steps (median)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the variant list this many times, interleaved; the table adds each ratio's median and "
+                        "range over the rounds (profile, memory, top kernels: first round only)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens here)")
     p.add_argument("--ac", action="store_true", help="activation checkpointing (every variant)")
     p.add_argument("--loss-impl", nargs="+", default=["chunked"], choices=("chunked", "liger", "hf"),
@@ -341,12 +370,16 @@ def main(args: argparse.Namespace | list[str] | None = None) -> int:
         name, layers = _model_spec(spec)
         for seq in args.seq:
             for mode in args.modes:
-                for variant, loss in ((v, loss) for loss in args.loss_impl for v in args.variants):
+                # rounds interleave the variants (A B C A B C): a drift of the machine or of the process
+                # shows as spread across rounds instead of as a difference between variants
+                for rnd, variant, loss in ((i, v, loss) for i in range(args.rounds) for loss in args.loss_impl
+                                           for v in args.variants):
                     case = BenchCase(name, layers, seq, variant, mode, args.vocab, loss)
                     try:
                         r = run_case(case, steps=args.steps, warmup=args.warmup, device=args.device,
-                                     profile=args.profile, activation_checkpointing=args.ac, memory=args.memory,
-                                     top_kernels=args.top_kernels)
+                                     profile=args.profile and rnd == 0, activation_checkpointing=args.ac,
+                                     memory=args.memory and rnd == 0, top_kernels=args.top_kernels if rnd == 0 else 0)
+                        r["round"] = rnd
                     except Exception as e:  # a peer that fails to import or run (OOM) is reported, not fatal
                         print(f"{case}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
                         gc.collect()

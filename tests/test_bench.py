@@ -1,5 +1,6 @@
 """`fp8train bench` on a CPU (the harness; its numbers mean something only on a GPU) and the profile split."""
 
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -16,6 +17,22 @@ def test_bench_runs_every_variant_in_one_harness(capsys):
     rows = [line for line in out.splitlines() if line.startswith("| tiny-qwen2 |")]
     assert len(rows) == 2 and "| bf16 |" in rows[0] and "| 1.000 |" in rows[0]
     assert "| hybrid |" in rows[1]
+
+
+def test_rounds_interleave_the_variants_and_report_their_spread(capsys):
+    """--rounds 2: bf16, hybrid, bf16, hybrid in one process; each round's ratio against its own BF16, and a
+    table of each ratio's median and range over the rounds."""
+    rc = main(["--models", "tiny-qwen2", "--vocab", "512", "--seq", "64", "--device", "cpu", "--variants", "bf16",
+               "hybrid", "--modes", "eager", "--steps", "1", "--warmup", "1", "--rounds", "2"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    rows = [line for line in out.splitlines() if line.startswith("| tiny-qwen2 |")]
+    assert [r.split(" | ")[4] for r in rows[:4]] == ["bf16", "hybrid", "bf16 [round 2]", "hybrid [round 2]"]
+    assert "| 1.000 |" in rows[2]  # round 2's BF16 against itself, not against round 1's
+    summary = rows[4:]
+    assert len(summary) == 1 and "| hybrid | 2 |" in summary[0], summary
+    ratios = [float(x) for x in re.findall(r"(\d\.\d{3})", summary[0].split(" | ")[6])]
+    assert len(ratios) == 3 and ratios[1] <= ratios[0] <= ratios[2]  # median within (lowest-highest)
 
 
 def test_variant_modifiers(capsys):

@@ -16,7 +16,8 @@ A variant may carry recipe modifiers, for A/B runs in one process: `hybrid+wgrad
 producers, hybrid's default; `+fused` turns it on for the other recipes).
 `compiled` applies torch.compile to each decoder layer, for every variant alike (the trainer's
 `train.compile`); `cudagraphs` also replays each layer as CUDA graphs (`train.cuda_graphs`). Step time
-is the median of the timed steps after the warm-up; peak memory is torch.cuda.max_memory_allocated over
+is the median of the timed steps after the warm-up (their range beside it); `--rounds N` runs the variant
+list N times interleaved and reports each ratio's median and range over the rounds; peak memory is torch.cuda.max_memory_allocated over
 the timed steps (with cudagraphs over all steps: the graphs' pool is allocated while recording). Ratios
 are to BF16 at the same model, length and mode, measured in the same process. `--profile` adds the CUDA
 kernel time of one step by category (FP8 and BF16 GEMMs told apart by the cuBLAS kernel name, which a

@@ -11,7 +11,8 @@ projections to FP8Linear first (`convert_to_fp8`), then LoRA wraps them (`apply_
 frozen base in FP8 for the run, its BF16 weights in host memory (`freeze_fp8_weights(offload=True)`), as
 `model.lora` does in fp8train's trainer. For the A/B: `hybrid+on-gpu` freezes without offloading,
 `hybrid+every-step` quantizes the base weights in every forward and backward (the path before freezing);
-`+deep_gemm` runs the base's GEMMs (output and grad_input) on DeepGEMM's kernel. Printed per recipe: ms/step and tokens/s (median over the steps after
+a recipe modifier of `fp8train.parse_recipe` applies too (`+deep_gemm`: the base's output and grad_input GEMMs on
+DeepGEMM's kernel). Printed per recipe: ms/step and tokens/s (median over the steps after
 `--warmup`), peak GPU memory (whole run, model included), the loss of the first and last step, and what
 dynamo compiled: frames compiled, and recompilations with their first reasons (the target: none per step).
 """
@@ -29,7 +30,8 @@ from pathlib import Path
 
 import torch
 
-from fp8train import cache_fp8_weights, convert_to_fp8, freeze_fp8_weights, make_recipe
+from fp8train import cache_fp8_weights, convert_to_fp8, freeze_fp8_weights, parse_recipe
+from fp8train.fp8.recipe import MODIFIERS
 from fp8train.train.lora import LoraConfig, apply_lora
 from fp8train.train.model import PRESETS, parallelize_model
 from fp8train.train.optim import OptimConfig, build_optimizer
@@ -70,12 +72,14 @@ def run_one(recipe: str, a: argparse.Namespace, device: torch.device) -> dict:
                                                  attn_implementation="sdpa")
     model.train()
     base, *mods = recipe.split("+")
-    if not set(mods) <= {"on-gpu", "every-step", "deep_gemm"} or {"on-gpu", "every-step"} <= set(mods):
+    modes = [m for m in mods if m in ("on-gpu", "every-step")]
+    knobs = [m for m in mods if m not in modes]  # fp8train.parse_recipe's modifiers
+    if len(modes) > 1 or any(m not in MODIFIERS for m in knobs) or (base == "bf16" and mods):
         raise SystemExit(f"lora_gpu: unknown variant {recipe!r} (RECIPE, RECIPE+on-gpu, RECIPE+every-step, "
-                         "each optionally +deep_gemm)")
-    mode = next((m for m in mods if m != "deep_gemm"), "")
+                         f"each optionally with {['+' + m for m in MODIFIERS]})")
+    mode = modes[0] if modes else ""
     if base != "bf16":
-        convert_to_fp8(model, make_recipe(base, deep_gemm="deep_gemm" in mods))
+        convert_to_fp8(model, parse_recipe("+".join([base, *knobs])))
     model = apply_lora(model, LoraConfig(rank=a.rank, alpha=2 * a.rank))  # adapters FP32, the base frozen
     parallelize_model(model, activation_checkpointing=a.activation_checkpointing, compile=not a.no_compile)
     optimizer = build_optimizer(model, OptimConfig(lr=1e-4, weight_decay=0.0, fused=device.type == "cuda"))

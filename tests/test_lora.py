@@ -203,3 +203,5 @@ def test_lora_gpu_benchmark_script_runs_on_cpu(tmp_path):
     for r in results:
         assert r["trainable_params"] == 2 * per_layer
         assert np.isfinite(r["loss_last"]) and r["tokens_per_s"] > 0 and r["recompiles"] == 0
+    with pytest.raises(SystemExit, match="unknown variant 'hybrid.fast'"):  # modifiers: parse_recipe's
+        bench.main(["--device", "cpu", "--tiny", "--no-compile", "--recipes", "hybrid+fast"])

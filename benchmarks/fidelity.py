@@ -325,7 +325,7 @@ def run_config(work: Path, stage: str, name: str, *, seed: int, device: str, dat
                **recipe) -> TrainConfig:
     """The TrainConfig of one fidelity run, written to work/runs/name: `evals` evaluations over the run, a log
     line per step, the last checkpoint kept. `model`: a ModelConfig, or the source (a path or a preset) of
-    one; `recipe` holds the recipe keys (recipe, pow2_scale, bf16_layers)."""
+    one; `recipe` holds the recipe keys (recipe, bf16_layers and any knob: pow2_scale, fuse_swiglu, ...)."""
     return TrainConfig(
         stage=stage, run_dir=str(Path(work) / "runs" / name), resume="none", seed=seed, device=device,
         model=model if isinstance(model, ModelConfig) else ModelConfig(source=str(model)), data=data, optim=optim,

@@ -226,8 +226,8 @@ def run_case(case: BenchCase, *, steps: int = 5, warmup: int = 2, device: str = 
         sync()
         times.append(time.perf_counter() - t0)
         losses.append(loss)
-    step_s = statistics.median(times[warmup:])
     timed_ms = [t * 1e3 for t in times[warmup:]]
+    step_s = statistics.median(timed_ms) / 1e3
     tflops = flops_per_token(model.config, seq) * seq / step_s / 1e12
     res = {"model": case.model, "layers": model.config.num_hidden_layers, "seq": seq, "variant": case.variant,
            "loss_impl": case.loss_impl, "mode": case.mode, "step_ms": step_s * 1e3,

@@ -88,11 +88,11 @@ class _GateUpSwiGLUFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, w_gate: Tensor, w_up: Tensor, wg: Tensor | None, wg_scale: Tensor | None,
-                wu: Tensor | None, wu_scale: Tensor | None, plan: LinearPlan, out_dtype: torch.dtype, h_cols: bool,
-                save_fp8: bool) -> tuple[Tensor, ...]:
+                wu: Tensor | None, wu_scale: Tensor | None, plan: LinearPlan, out_dtype: torch.dtype, x_cols: bool,
+                h_cols: bool, save_fp8: bool) -> tuple[Tensor, ...]:
         x2d = x.reshape(-1, x.shape[-1])
         want_dw = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
-        xr, xr_s, xc, xc_s = ops.quantize_input(x2d.detach(), plan, want_dw and not plan.x_t_from_fp8)
+        xr, xr_s, xc, xc_s = ops.quantize_input(x2d.detach(), plan, x_cols)
         g = ops.linear_forward(xr, xr_s, w_gate.detach(), wg, wg_scale, plan, out_dtype)
         u = ops.linear_forward(xr, xr_s, w_up.detach(), wu, wu_scale, plan, out_dtype)
         h_ops = ops.quantize_swiglu(g, u, plan, h_cols)
@@ -118,7 +118,7 @@ class _GateUpSwiGLUFn(torch.autograd.Function):
         dxu, dwu = ops.linear_backward_gemms(*grads[4:], w_up.detach(), wu, wu_scale, x_saved, x_saved_scale, p,
                                              want_dx, want_dwu, ctx.x_dtype)
         return ((dxg + dxu).view(ctx.x_shape) if want_dx else None, dwg.to(w_gate.dtype) if want_dwg else None,
-                dwu.to(w_up.dtype) if want_dwu else None, None, None, None, None, None, None, None, None)
+                dwu.to(w_up.dtype) if want_dwu else None, None, None, None, None, None, None, None, None, None)
 
 
 class FP8SwiGLUMLP(nn.Module):
@@ -145,10 +145,11 @@ class FP8SwiGLUMLP(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         down = self.down_proj
         if self._fusable():
-            plan = down.plan(x)
-            h, *h_ops = _GateUpSwiGLUFn.apply(x, self.gate_proj.weight, self.up_proj.weight,
-                                              *self.gate_proj.weight_operand(plan), *self.up_proj.weight_operand(plan),
-                                              plan, output_dtype(x), down.makes_input_t(plan),
+            gate, up, plan = self.gate_proj, self.up_proj, down.plan(x)
+            h, *h_ops = _GateUpSwiGLUFn.apply(x, gate.weight, up.weight, *gate.weight_operand(plan),
+                                              *up.weight_operand(plan), plan, output_dtype(x),
+                                              gate.makes_input_t(plan) or up.makes_input_t(plan),
+                                              down.makes_input_t(plan),
                                               self.recipe.swiglu_inputs_fp8 and torch.is_grad_enabled())
             return down.forward_quantized(h, *h_ops)
         g, u = self.gate_proj(x), self.up_proj(x)

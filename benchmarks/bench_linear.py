@@ -25,6 +25,8 @@ from _harness import projection_shapes  # a sibling module (benchmarks/ is on sy
 from fp8train import FP8Linear, cache_fp8_weights
 from fp8train.fp8 import kernels as _triton_quant
 from fp8train.fp8 import ops
+from fp8train.fp8.gemm import gemm
+from fp8train.fp8.operands import LinearPlan, quantize_operand
 from fp8train.fp8.recipe import make_recipe
 
 SHAPES = {f"{tag} {name}": nk for tag, preset in (("1.5B", "qwen2.5-1.5b"), ("7B", "qwen2.5-7b"))  # (N, K)
@@ -60,17 +62,17 @@ def bench_shape(M: int, N: int, K: int) -> dict:
     with cache_fp8_weights(fp8):  # later micro-batches of a step
         r["fp8_fwdbwd_cached_w"] = _ms(lambda: fp8(x).backward(g))
 
-    plan = ops.LinearPlan.of(make_recipe("hybrid"), cublas=True)
+    plan = LinearPlan.of(make_recipe("hybrid"), cublas=True)
     with torch.no_grad():
         xa, xa_s, xt, xt_s = ops.quantize_input(x.detach(), plan, make_cols=True)
         ga, ga_s, *_ = ops.quantize_input(g, plan, make_cols=False)  # grad_output rows: the input's specs
-        gt, gt_s = ops.quantize_operand(g.t(), plan.g_t, True)
+        gt, gt_s = quantize_operand(g.t(), plan.g_t, True)
         wb = fp8.weight.detach()
         wo, wo_s = ops.quantize_weight(wb, plan.w, True, False, True)
         wgi, wgi_s = ops.quantize_weight(wb, plan.w_t, True, True, True)
-        r["gemm_output_fp8"] = _ms(lambda: ops.gemm(xa, xa_s, plan.x, wo, wo_s, plan.w, torch.bfloat16, True))
-        r["gemm_grad_input_fp8"] = _ms(lambda: ops.gemm(ga, ga_s, plan.g, wgi, wgi_s, plan.w_t, torch.bfloat16, True))
-        r["gemm_grad_weight_fp8"] = _ms(lambda: ops.gemm(gt, gt_s, plan.g_t, xt, xt_s, plan.x_t, torch.float32, True))
+        r["gemm_output_fp8"] = _ms(lambda: gemm(xa, xa_s, plan.x, wo, wo_s, plan.w, torch.bfloat16, True))
+        r["gemm_grad_input_fp8"] = _ms(lambda: gemm(ga, ga_s, plan.g, wgi, wgi_s, plan.w_t, torch.bfloat16, True))
+        r["gemm_grad_weight_fp8"] = _ms(lambda: gemm(gt, gt_s, plan.g_t, xt, xt_s, plan.x_t, torch.float32, True))
         r["gemm_output_bf16"] = _ms(lambda: torch.mm(x.detach(), wb.t()))
         r["gemm_grad_input_bf16"] = _ms(lambda: torch.mm(g, wb))
         r["gemm_grad_weight_bf16"] = _ms(lambda: torch.mm(g.t(), x.detach()))

@@ -116,8 +116,9 @@ def swiglu_rows(copy_tbs: float) -> list[dict]:
     kernels' FP8 bytes equal the quantization of torch's eager ops but for at most 1e-5 of them. Bytes moved:
     fused forward reads g, u (4 per element) and writes 2; backward reads dh, g, u (6) and writes 4."""
     from fp8train.fp8 import ops
+    from fp8train.fp8.operands import LinearPlan
 
-    plan = ops.LinearPlan.of(make_recipe("hybrid"), True)
+    plan = LinearPlan.of(make_recipe("hybrid"), True)
     fwd_ref = torch.compile(ops.swiglu_reference)
     bwd_ref = torch.compile(ops.swiglu_grads_reference)
     rows = []

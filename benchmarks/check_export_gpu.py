@@ -38,20 +38,21 @@ class _ServedFp8Linear(torch.nn.Module):
 
     def __init__(self, weight: torch.Tensor, scale_inv: torch.Tensor, bias: torch.Tensor | None, cublas: bool):
         super().__init__()
-        from fp8train.fp8 import ops
+        from fp8train.fp8.operands import LinearPlan, pad_operand
         from fp8train.fp8.recipe import make_recipe
 
         # the hybrid recipe's output GEMM: 1x128 activation tiles x the exported 128x128 weight blocks
-        self.plan = ops.LinearPlan.of(make_recipe("hybrid"), cublas)  # cuBLAS: K padded to 512, else emulated
-        self.w = ops.pad_operand(weight.contiguous(), scale_inv.float().contiguous(), self.plan.w)
+        self.plan = LinearPlan.of(make_recipe("hybrid"), cublas)  # cuBLAS: K padded to 512, else emulated
+        self.w = pad_operand(weight.contiguous(), scale_inv.float().contiguous(), self.plan.w)
         self.bias = bias
 
     def forward(self, x):
         from fp8train.fp8 import ops
+        from fp8train.fp8.gemm import gemm
 
         x2d = x.reshape(-1, x.shape[-1])
         xa, xa_s, _, _ = ops.quantize_input(x2d, self.plan, make_cols=False)
-        y = ops.gemm(xa, xa_s, self.plan.x, *self.w, self.plan.w, torch.bfloat16, self.plan.cublas)
+        y = gemm(xa, xa_s, self.plan.x, *self.w, self.plan.w, torch.bfloat16, self.plan.cublas)
         if self.bias is not None:
             y = y + self.bias
         return y.view(*x.shape[:-1], -1)

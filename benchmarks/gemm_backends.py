@@ -10,7 +10,7 @@ projection shape of a model and each GEMM:
   grad_weight  dW [N, K] = dy.T [N, M] @ x.T [K, M].T        1x128 tiles . 1x128 tiles (along tokens), FP32 out
 it times both backends with CUDA events (median after warm-up), checks each against the FP32 product of the
 dequantized operands (SQNR in dB) and whether the two agree bit for bit. output and grad_input go through
-`ops.gemm(..., deep_gemm=True)`, the route training takes with the recipe's `deep_gemm`; DeepGEMM's
+`gemm(..., deep_gemm=True)`, the route training takes with the recipe's `deep_gemm`; DeepGEMM's
 grad_weight kernel, which training does not use, accumulates into an FP32 C (D = C + A B): timed with
 C = D = a zeroed buffer, the zeroing timed apart.
 """
@@ -27,6 +27,8 @@ import torch
 
 from _harness import projection_shapes  # a sibling module (benchmarks/ is on sys.path)
 from fp8train.fp8 import ops
+from fp8train.fp8.gemm import gemm
+from fp8train.fp8.operands import LinearPlan, dequantize_operand
 from fp8train.fp8.recipe import make_recipe
 
 SHAPES = {"1.5b": projection_shapes("qwen2.5-1.5b"), "7b": projection_shapes("qwen2.5-7b")}  # (N, K) per projection
@@ -46,7 +48,7 @@ def _sqnr(ref: torch.Tensor, out: torch.Tensor) -> float:
     return float(10 * torch.log10(ref.double().pow(2).sum() / err.clamp_min(1e-300)))
 
 
-def _operands(M: int, N: int, K: int, plan: ops.LinearPlan) -> dict:
+def _operands(M: int, N: int, K: int, plan: LinearPlan) -> dict:
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(M, K, device="cuda", generator=g).mul_(0.5)
     x[:, :: max(1, K // 8)] *= 40.0  # a few massive channels, as real residual streams have
@@ -71,24 +73,24 @@ def _deep_gemm_tile_tile(dg, a, a_s, b, b_s, out: torch.Tensor) -> torch.Tensor:
 
 
 def bench(dg, model: str, M: int) -> list[dict]:
-    plan = ops.LinearPlan.of(make_recipe("hybrid"), cublas=True)
+    plan = LinearPlan.of(make_recipe("hybrid"), cublas=True)
     rows = []
     for name, (N, K) in SHAPES[model].items():
-        for gemm, (a, a_s, a_spec, b, b_s, b_spec, out_dtype) in _operands(M, N, K, plan).items():
+        for kind, (a, a_s, a_spec, b, b_s, b_spec, out_dtype) in _operands(M, N, K, plan).items():
             with torch.no_grad():
-                ref = ops.dequantize_operand(a, a_s, a_spec) @ ops.dequantize_operand(b, b_s, b_spec).t()
-            cublas = lambda: ops.gemm(a, a_s, a_spec, b, b_s, b_spec, out_dtype, True)  # noqa: E731
+                ref = dequantize_operand(a, a_s, a_spec) @ dequantize_operand(b, b_s, b_spec).t()
+            cublas = lambda: gemm(a, a_s, a_spec, b, b_s, b_spec, out_dtype, True)  # noqa: E731
             flops = 2 * ref.shape[0] * ref.shape[1] * a.shape[1]  # the padded contraction, as both run it
-            r = {"model": model, "shape": name, "gemm": gemm, "M": ref.shape[0], "N": ref.shape[1], "K": a.shape[1],
+            r = {"model": model, "shape": name, "gemm": kind, "M": ref.shape[0], "N": ref.shape[1], "K": a.shape[1],
                  "cublas_ms": _ms(cublas), "cublas_sqnr": _sqnr(ref, cublas())}
             if dg is not None:
-                if gemm == "grad_weight":
+                if kind == "grad_weight":
                     out = torch.zeros(ref.shape, device="cuda", dtype=out_dtype)
                     deep = lambda: _deep_gemm_tile_tile(dg, a, a_s, b, b_s, out.zero_())  # noqa: E731
                     r["zero_ms"] = _ms(lambda: out.zero_())
                 else:  # the route training takes with the recipe's deep_gemm
-                    deep = lambda: ops.gemm(a, a_s, a_spec, b, b_s, b_spec, out_dtype,  # noqa: E731
-                                            True, deep_gemm=True)
+                    deep = lambda: gemm(a, a_s, a_spec, b, b_s, b_spec, out_dtype,  # noqa: E731
+                                        True, deep_gemm=True)
                 res = deep().clone()
                 r["deepgemm_sqnr"] = _sqnr(ref, res)
                 r["deepgemm_bit_identical"] = bool(torch.equal(res, cublas()))

@@ -38,9 +38,11 @@ def pieces() -> list[tuple[str, float]]:
 
     from fp8train.fp8 import kernels as _triton_quant
     from fp8train.fp8 import ops as o
+    from fp8train.fp8.gemm import gemm
+    from fp8train.fp8.operands import LinearPlan
     from fp8train.fp8.recipe import Fp8Format, make_recipe
 
-    plan = o.LinearPlan.of(make_recipe("hybrid"), cublas=True)
+    plan = LinearPlan.of(make_recipe("hybrid"), cublas=True)
     x = torch.randn(256, 1536, device="cuda").bfloat16()
     w = torch.randn(512, 1536, device="cuda")
     dy = torch.randn(256, 512, device="cuda").bfloat16()
@@ -57,7 +59,7 @@ def pieces() -> list[tuple[str, float]]:
         ("quantize_input custom op", _per_call_us(lambda: torch.ops.fp8train.quantize_input(x, plan.key, True))),
         ("F.scaled_mm blockwise", _per_call_us(lambda: F.scaled_mm(
             xr, wq.t(), xr_s.t(), ST.BlockWise1x128, wq_s.t(), ST.BlockWise128x128, output_dtype=torch.bfloat16))),
-        ("gemm", _per_call_us(lambda: o.gemm(xr, xr_s, plan.x, wq, wq_s, plan.w, torch.bfloat16, True))),
+        ("gemm", _per_call_us(lambda: gemm(xr, xr_s, plan.x, wq, wq_s, plan.w, torch.bfloat16, True))),
         ("quantize_weight", _per_call_us(lambda: o.quantize_weight(w, plan.w, True, False, True))),
         ("linear_forward custom op", _per_call_us(lambda: torch.ops.fp8train.linear_forward(*fwd))),
         ("linear_backward custom op", _per_call_us(lambda: torch.ops.fp8train.linear_backward(*bwd))),

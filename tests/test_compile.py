@@ -14,7 +14,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from fp8train import compile_options, convert_to_fp8
 from fp8train.fp8 import ops as _fp8_ops
-from fp8train.fp8.ops import LinearPlan, OperandSpec
+from fp8train.fp8.operands import LinearPlan, OperandSpec
 from fp8train.train.model import ModelConfig, build_model, decoder_layers
 from fp8train.fp8.recipe import make_recipe
 

@@ -21,6 +21,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from fp8train import Fp8Format, convert_to_fp8, make_recipe, quantize
 from fp8train.fp8 import ops as fp8_ops
+from fp8train.fp8.operands import LinearPlan
 from fp8train.fp8.fsdp import _Fp8GatheredWeight, _Fp8ShardedWeight, fp8_gather_blocker, unwrap
 from fp8train.train.checkpoint import load_checkpoint, save_checkpoint, verify_checkpoint
 from fp8train.train.distributed import (DistributedConfig, World, all_reduce_sum, apply_fsdp, destroy,
@@ -136,7 +137,7 @@ def _gathered_blocks_match(model, report, info) -> dict:
             mod = model.get_submodule(fqn)
             w, master = mod.weight, full[f"{fqn}.weight"]
             ref = quantize(master, (128, 128), "e4m3", pow2_scale=True)
-            plan = fp8_ops.LinearPlan.of(mod.recipe, cublas=False)
+            plan = LinearPlan.of(mod.recipe, cublas=False)
             w_op = w.fp8_operand(plan.w, plan.pow2)  # what FP8Linear's forward takes; its backward transposes it
             ops = (*w_op, *fp8_ops.transpose_weight(*w_op, plan, master.shape[1]))
             ref_ops = (*fp8_ops.quantize_weight(master, plan.w, True, False, False),
@@ -473,7 +474,7 @@ def test_gathered_weight_gives_fp8linear_its_operands(monkeypatch, cublas):
     w = torch.randn(256, 384) * torch.logspace(-3, 1, 384)  # K=384 and N=256 both need padding to 512
     q = quantize(w, (128, 128), "e4m3", pow2_scale=True)
     gathered = _Fp8GatheredWeight(q.data, q.scale, torch.bfloat16, Fp8Format.E4M3, True)
-    plan = fp8_ops.LinearPlan.of(make_recipe("hybrid"), cublas)
+    plan = LinearPlan.of(make_recipe("hybrid"), cublas)
     w_op = gathered.fp8_operand(plan.w, plan.pow2)
     got = (w_op, fp8_ops.transpose_weight(*w_op, plan, 384))
     ref = (fp8_ops.quantize_weight(w, plan.w, True, False, cublas), fp8_ops.quantize_weight(w, plan.w_t, True, True, cublas))

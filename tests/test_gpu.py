@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from fp8train import FP8Linear, compile_options, convert_to_fp8, make_recipe, quantize
+from fp8train.fp8.operands import LinearPlan
 from fp8train.fp8.recipe import Fp8Format
 
 cuda_sm90 = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
@@ -213,7 +214,7 @@ def test_custom_ops_fake_implementations_match_on_cuda(recipe):
     dtypes must be what the fake implementations (the reference path) tell the compiler."""
     from fp8train.fp8 import ops as _fp8_ops
 
-    plan = _fp8_ops.LinearPlan.of(make_recipe(recipe), cublas=True)
+    plan = LinearPlan.of(make_recipe(recipe), cublas=True)
     x = _activation((1000, 1536), torch.bfloat16).cuda()
     w = _activation((896, 1536), torch.float32, seed=2).cuda()
     dy = _activation((1000, 896), torch.bfloat16, seed=3).cuda()
@@ -302,16 +303,34 @@ def test_frozen_offloaded_weights_on_cuda(mode):
     assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
 
 
+def _run_qwen2_mlp(x, recipe, compiled):
+    """A Qwen2 MLP at 1.5B width (seeded weights), converted whole by `recipe`, run on x (eagerly or
+    compiled) under BF16 autocast: [output, x.grad, gate's, up's and down's weight gradients]."""
+    import torch._dynamo
+    from transformers import Qwen2Config
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2MLP
+
+    torch._dynamo.reset()
+    torch.manual_seed(1)
+    wrapper = torch.nn.Module()
+    wrapper.mlp = Qwen2MLP(Qwen2Config(hidden_size=1536, intermediate_size=8960, hidden_act="silu")).cuda()
+    report = convert_to_fp8(wrapper, recipe, lambda m, fqn: True)
+    assert report.swiglu_mlps == (["mlp"] if recipe.fuse_swiglu or recipe.swiglu_inputs_fp8 else [])
+    xr = x.clone().requires_grad_()
+    fn = torch.compile(wrapper.mlp) if compiled else wrapper.mlp
+    with torch.autocast("cuda", torch.bfloat16):
+        y = fn(xr)
+    y.float().pow(2).mean().backward()
+    mlp = wrapper.mlp
+    return [y.detach().float(), xr.grad] + [p.weight.grad for p in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)]
+
+
 def test_swiglu_inputs_fp8_on_cuda():
     """The recipe's `swiglu_inputs_fp8` on CUDA (the Triton kernel quantizes g and u, padded to 512): the same
     saved values as the CPU's reference, so the gradients match the CPU path's; compiled by inductor, a
     converted MLP gives eager's forward and close gradients."""
-    import torch._dynamo
     import torch.nn.functional as F
-    from transformers import Qwen2Config
-    from transformers.models.qwen2.modeling_qwen2 import Qwen2MLP
 
-    from fp8train.fp8.ops import LinearPlan
     from fp8train.fp8.swiglu import _SwiGLUFn
 
     torch.manual_seed(0)
@@ -337,22 +356,8 @@ def test_swiglu_inputs_fp8_on_cuda():
     # compiled: inductor fuses silu(g) * u without BF16's intermediate rounding (in either MLP), so the knob's
     # MLP is compared with the plain converted one, both compiled: the same forward, close gradients
     x = torch.randn(2, 1000, 1536, device="cuda")
-
-    def run(swiglu_fp8):
-        torch._dynamo.reset()
-        torch.manual_seed(1)
-        wrapper = torch.nn.Module()
-        wrapper.mlp = Qwen2MLP(Qwen2Config(hidden_size=1536, intermediate_size=8960, hidden_act="silu")).cuda()
-        recipe = make_recipe("hybrid", swiglu_inputs_fp8=swiglu_fp8, fuse_swiglu=False)  # the knob alone
-        report = convert_to_fp8(wrapper, recipe, lambda m, fqn: True)
-        assert report.swiglu_mlps == (["mlp"] if swiglu_fp8 else [])
-        xr = x.clone().requires_grad_()
-        with torch.autocast("cuda", torch.bfloat16):
-            y = torch.compile(wrapper.mlp)(xr)
-        y.float().pow(2).mean().backward()
-        return y.detach().float(), xr.grad, wrapper.mlp.gate_proj.weight.grad
-
-    plain, knob = run(False), run(True)
+    plain, knob = (_run_qwen2_mlp(x, make_recipe("hybrid", swiglu_inputs_fp8=on, fuse_swiglu=False), compiled=True)
+                   for on in (False, True))  # the knob alone
     assert _sqnr(knob[0], plain[0]) > 60, _sqnr(knob[0], plain[0])
     assert _sqnr(knob[1], plain[1]) > 25 and _sqnr(knob[2], plain[2]) > 25, (_sqnr(knob[1], plain[1]), _sqnr(knob[2], plain[2]))
 
@@ -371,7 +376,7 @@ def test_fused_swiglu_kernels_equal_torch_on_cuda():
     g[:2] *= 80
     u[5] *= 1e-3
     g, u, dh = g.bfloat16(), u.bfloat16(), dh.bfloat16()
-    plan = _ops.LinearPlan.of(make_recipe("hybrid"), True)
+    plan = LinearPlan.of(make_recipe("hybrid"), True)
     dg, du = _ops.swiglu_grads_reference(dh, g, u)
     refs = [_ops.quantize_input(_ops.swiglu_reference(g, u), plan, True)]
     refs += [_ops.quantize_input(dg, plan, True), _ops.quantize_input(du, plan, True)]
@@ -393,28 +398,11 @@ def test_fused_swiglu_mlp_on_cuda(fp8_inputs):
     """A converted Qwen2 MLP at 1.5B width, fused against the three FP8Linears, on CUDA: eagerly the same
     outputs and gradients up to the kernels' rare last-bit differences; compiled (inductor launches the
     kernels), the fused MLP's forward equals its eager forward and its gradients stay close."""
-    import torch._dynamo
-    from transformers import Qwen2Config
-    from transformers.models.qwen2.modeling_qwen2 import Qwen2MLP
-
     x = torch.randn(2, 1000, 1536, device="cuda")
     x[:, 0] *= 30
 
     def run(fuse, compiled):
-        torch._dynamo.reset()
-        torch.manual_seed(1)
-        wrapper = torch.nn.Module()
-        wrapper.mlp = Qwen2MLP(Qwen2Config(hidden_size=1536, intermediate_size=8960, hidden_act="silu")).cuda()
-        recipe = make_recipe("hybrid", swiglu_inputs_fp8=fp8_inputs, fuse_swiglu=fuse)
-        report = convert_to_fp8(wrapper, recipe, lambda m, fqn: True)
-        assert report.swiglu_mlps == (["mlp"] if fuse or fp8_inputs else [])
-        xr = x.clone().requires_grad_()
-        fn = torch.compile(wrapper.mlp) if compiled else wrapper.mlp
-        with torch.autocast("cuda", torch.bfloat16):
-            y = fn(xr)
-        y.float().pow(2).mean().backward()
-        mlp = wrapper.mlp
-        return [y.detach().float(), xr.grad] + [p.weight.grad for p in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)]
+        return _run_qwen2_mlp(x, make_recipe("hybrid", swiglu_inputs_fp8=fp8_inputs, fuse_swiglu=fuse), compiled)
 
     plain, fused, fused_compiled = run(False, False), run(True, False), run(True, True)
     for i, (a, b) in enumerate(zip(fused, plain)):

@@ -10,8 +10,10 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from fp8train import FP8Linear, dequantize, quantize
+from fp8train.fp8 import gemm as gemm_module
 from fp8train.fp8 import ops
-from fp8train.fp8.ops import LinearPlan, reference_fp8_linear
+from fp8train.fp8.operands import LinearPlan
+from fp8train.fp8.ops import reference_fp8_linear
 from fp8train.fp8.recipe import make_recipe
 
 THRESHOLD_DB = {"hybrid": 25.0, "rowwise": 25.0, "tensorwise": 19.0}
@@ -308,13 +310,24 @@ def test_deep_gemm_knob_routes_only_cublas_tile_block_gemms(monkeypatch):
             calls.append((a[0].shape, a[1].shape, a[1].stride(), b[0].shape, b[1].shape, out.dtype))
             out.zero_()
 
-    monkeypatch.setattr(ops, "load_deep_gemm", lambda: FakeDeepGemm)
+    def fake_cublas(a, b, scale_a, recipe_a, scale_b, recipe_b, out_dtype):
+        calls.append(("cublas", recipe_a, recipe_b, out_dtype))
+        return a.new_zeros((a.shape[0], b.shape[1]), dtype=out_dtype)
+
+    monkeypatch.setattr(gemm_module, "load_deep_gemm", lambda: FakeDeepGemm)
+    monkeypatch.setattr(gemm_module, "_scaled_mm", fake_cublas)
     x = torch.randn(256, 512) * torch.logspace(-2, 2, 512)
-    xa, xa_s, *_ = ops.quantize_input(x, on, make_cols=False)
+    xa, xa_s, xc, xc_s = ops.quantize_input(x, on, make_cols=True)
     w, w_s = ops.quantize_weight(torch.randn(384, 512), on.w, True, False, False)
-    out = ops._deep_gemm_op(xa, xa_s.t(), w, w_s)  # what `gemm` calls for this pair
+    out = gemm_module.gemm(xa, xa_s, on.x, w, w_s, on.w, torch.bfloat16, cublas=True, deep_gemm=True)  # output
     assert out.shape == (256, 384) and out.dtype == torch.bfloat16
     assert calls == [((256, 512), (256, 4), (1, 256), (384, 512), (3, 4), torch.bfloat16)]
+    # grad_weight's tile x tile pair (FP32 out) stays on cuBLAS; so does a tile x block GEMM with FP32 output
+    gemm_module.gemm(xc, xc_s, on.g_t, xc, xc_s, on.x_t, torch.float32, cublas=True, deep_gemm=True)
+    gemm_module.gemm(xa, xa_s, on.x, w, w_s, on.w, torch.float32, cublas=True, deep_gemm=True)
+    ST = torch.nn.functional.ScalingType
+    assert calls[1:] == [("cublas", ST.BlockWise1x128, ST.BlockWise1x128, torch.float32),
+                         ("cublas", ST.BlockWise1x128, ST.BlockWise128x128, torch.float32)]
 
 
 def test_deep_gemm_missing_is_one_clear_error():
@@ -322,9 +335,9 @@ def test_deep_gemm_missing_is_one_clear_error():
 
     if importlib.util.find_spec("deep_gemm") is not None:
         pytest.skip("DeepGEMM is installed here")
-    ops.load_deep_gemm.cache_clear()
+    gemm_module.load_deep_gemm.cache_clear()
     with pytest.raises(ValueError, match="config key 'deep_gemm' is true but DeepGEMM does not import"):
-        ops.load_deep_gemm()
+        gemm_module.load_deep_gemm()
 
 
 @pytest.mark.parametrize("wgrad_from_fp8", [False, True])

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from fp8train import convert_to_fp8, make_recipe
-from fp8train.fp8.ops import LinearPlan
+from fp8train.fp8.operands import LinearPlan
 from fp8train.fp8.swiglu import FP8SwiGLUMLP, _SwiGLUFn
 from test_convert import tiny
 from test_trainer import byte_tokenizer, corpus, one_thread  # noqa: F401 (fixtures)

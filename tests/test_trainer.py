@@ -363,7 +363,7 @@ def test_deep_gemm_config_key(tmp_path, byte_tokenizer, corpus, monkeypatch):
     nothing needs DeepGEMM; on a CUDA device a missing DeepGEMM is one error naming the key, before anything
     is built or written."""
     from fp8train import FP8Linear
-    from fp8train.fp8 import ops
+    from fp8train.fp8 import gemm
     from fp8train.train import trainer as trainer_module
 
     trainer = Trainer(tiny_config(tmp_path, byte_tokenizer, corpus, deep_gemm="true"), progress=False)
@@ -379,4 +379,4 @@ def test_deep_gemm_config_key(tmp_path, byte_tokenizer, corpus, monkeypatch):
     with pytest.raises(ValueError, match="config key 'deep_gemm' is true but DeepGEMM does not import"):
         Trainer(tiny_config(tmp_path, byte_tokenizer, corpus, deep_gemm="true", run_dir=str(run_dir)), progress=False)
     assert not run_dir.exists()
-    assert ops.load_deep_gemm is not missing  # the module's own function untouched
+    assert gemm.load_deep_gemm is not missing  # the module's own function untouched

@@ -3,8 +3,10 @@
     recipe.py   which format and scale granularity every GEMM operand gets (`make_recipe`)
     quant.py    the reference block quantization (`quantize`, `dequantize`, `compute_scale`)
     kernels.py  the Triton quantization kernels of the CUDA path (bit-identical to quant.py)
-    ops.py      the three GEMMs of one Linear (`reference_fp8_linear`: what they compute), operand specs,
-                the one GEMM route table, the custom ops torch.compile sees
+    operands.py a GEMM operand's spec (format, block, padding), a Linear's plan, the operand layout
+    gemm.py     the one GEMM and its route table (cuBLAS scaled_mm, DeepGEMM, or emulated)
+    ops.py      the three GEMMs of one Linear (`reference_fp8_linear`: what they compute), their
+                quantization, the custom ops torch.compile sees
     linear.py   FP8Linear: a layer's state (plans, input and weight caches, frozen weight, health)
     convert.py  convert_to_fp8, cache_fp8_weights, freeze_fp8_weights
     health.py   FP8 health statistics (underflow, saturation, scale range) observed during a step

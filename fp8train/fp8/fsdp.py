@@ -25,7 +25,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from .ops import OperandSpec, pad_operand
+from .operands import OperandSpec, pad_operand
 from .quant import Fp8Tensor, dequantize, quantize_2d
 from .recipe import BLOCK, Fp8Format, Fp8Recipe
 

@@ -30,7 +30,7 @@ _ROLES = ("input", "weight", "grad_output")
 
 def operand_health_stats(x2d: Tensor, spec, pow2: bool) -> Tensor:
     """[underflowed, non-zero, saturated, elements, scale min, scale max] (FP32) of x quantized per `spec`
-    (an ops.OperandSpec; its padding is ignored). A high-precision operand neither underflows nor saturates."""
+    (an operands.OperandSpec; its padding is ignored). A high-precision operand neither underflows nor saturates."""
     n = float(x2d.numel())
     if spec.fmt is None:
         return torch.tensor([0.0, n, 0.0, n, 1.0, 1.0], device=x2d.device)

@@ -25,7 +25,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from . import ops
 from .health import health_dict, operand_health_stats
-from .ops import LinearPlan
+from .operands import LinearPlan
 from .recipe import Fp8Recipe, make_recipe
 
 __all__ = ["FP8Linear", "output_dtype", "runs_on_cublas"]

@@ -1,7 +1,7 @@
-"""One FP8 Linear as a function: operand specs, the GEMM route table, quantization, the three GEMMs.
+"""One FP8 Linear as a function: the activation and weight quantization, and the three GEMMs.
 
 For y = x @ W.T + b with x [M, K] (M tokens) and W [N, K], every GEMM is `a @ b.T` with both operands
-row-major and the contraction dimension last (the "operand layout"):
+row-major and the contraction dimension last (the "operand layout", operands.py):
 
     GEMM          computes          a                         b                       contraction
     output        y  = x  @ W.T     input         [M, K]      weight    [N, K]        K (features)
@@ -13,22 +13,16 @@ row-major and the contraction dimension last (the "operand layout"):
     fp8_linear (autograd)     forward:  quantize_input -> linear_forward (quantize W, GEMM `output`)
                               backward: linear_backward (quantize grad_output; W.T, GEMM `grad_input`;
                                         input.T, GEMM `grad_weight`)
-    quantize_*                Triton kernels on CUDA (kernels.py), the reference of quant.py elsewhere;
+    quantize_*                Triton kernels on CUDA (kernels.py), the reference of operands.py elsewhere;
                               quantize_swiglu(_grads): an MLP's SwiGLU output (and its input gradients)
                               quantized by the kernel that computes them (swiglu.py, `fuse_swiglu`)
-    gemm                      the one GEMM: `gemm_route` (the one route table) picks a cuBLAS `scaled_mm`
-                              call or the emulation (dequantize + FP32 matmul, every device)
+    gemm                      the one GEMM (gemm.py): the one route table picks a cuBLAS `scaled_mm` call
+                              or the emulation (dequantize + FP32 matmul, every device)
 
 What the forward saves for backward: the FP8 input.T (1 byte per element; or, with the recipe's
 `wgrad_input_from_fp8`, the FP8 input rows it already made), never the BF16 input and never an FP8 copy of
-the weight: W.T is quantized again (or transposed from the step's cached W) in the backward.
-
-At the op boundary an operand is a (data, scale) pair of contiguous tensors described by an `OperandSpec`
-(format, block, contraction padding), which travels as a string ("e4m3:1x128:512"); a whole `LinearPlan` as
-one string. Layouts: data [rows, Cp], zero-padded along the contraction to a multiple of `spec.pad`; scale
-[Cp/128, rows] for 1x128 tiles (the transpose of per-row-per-tile scales: the "outer-dim major" layout
-cuBLAS reads and the Triton kernel writes), [ceil(rows/br), ceil(Cp/bc)] for other blocks (padding blocks
-have scale 1), [rows, 1] per row, 0-d per tensor; a high-precision operand (fmt None) is its BF16 value.
+the weight: W.T is quantized again (or transposed from the step's cached W) in the backward. Operands cross
+the op boundary as (data, scale) pairs, their specs and the Linear's `LinearPlan` as strings (operands.py).
 
 Eagerly each entry point runs its implementation directly (no dispatcher cost). Under torch.compile on
 CUDA the implementation is traced: Triton kernels enter the graph as triton_ops and GEMMs as
@@ -40,31 +34,23 @@ arithmetic and its view of every output is the real one.
 
 from __future__ import annotations
 
-import enum
-import functools
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .quant import dequantize, expand_scale, quantize, quantize_2d, resolve_block
-from .recipe import BLOCK, ROW, TILE, Block, Fp8Format, Fp8Recipe, GemmConfig, OperandConfig
+from .gemm import gemm
+from .operands import LinearPlan, OperandSpec, dequantize_operand, pad_operand, quantize_operand
+from .quant import dequantize, quantize
+from .recipe import BLOCK, Fp8Recipe, OperandConfig
 
 try:
     from . import kernels as _kernels
 except ImportError:  # no triton (CPU-only installs): the reference path is used
     _kernels = None
 
-__all__ = ["OperandSpec", "LinearPlan", "Route", "gemm_route", "contraction_pad", "gemm", "quantize_operand",
-           "dequantize_operand", "pad_operand", "quantize_input", "quantize_weight", "weight_transposes", "transpose_weight",
-           "wgrad_input",
-           "linear_forward", "linear_backward", "linear_backward_gemms", "quantize_swiglu", "quantize_swiglu_grads",
-           "swiglu_reference", "swiglu_grads_reference", "reference_fp8_linear", "load_deep_gemm"]
-
-# cuBLAS blockwise GEMMs need the number of 128-blocks along the contraction to be a multiple of 4
-# (K=8960 -> 70 blocks is refused or silently wrong): contractions are padded to 512 with zero data, scale 1.
-_BLOCKWISE_PAD = 512
+__all__ = ["reference_fp8_linear", "quantize_input", "quantize_weight", "weight_transposes", "transpose_weight",
+           "wgrad_input", "linear_forward", "linear_backward", "linear_backward_gemms", "quantize_swiglu",
+           "quantize_swiglu_grads", "swiglu_reference", "swiglu_grads_reference"]
 
 
 def reference_fp8_linear(x: Tensor, w: Tensor, dy: Tensor, recipe: Fp8Recipe) -> tuple[Tensor, Tensor, Tensor]:
@@ -84,154 +70,6 @@ def reference_fp8_linear(x: Tensor, w: Tensor, dy: Tensor, recipe: Fp8Recipe) ->
     return y, dx, dw
 
 
-def _eager_cache(fn):
-    """`fn` memoized on the eager hot path; while compiling, `fn` itself (the compiler runs it once at trace
-    time, and warns on an lru_cache)."""
-    cached = functools.lru_cache(maxsize=None)(fn)
-
-    @functools.wraps(fn)
-    def call(arg):
-        return fn(arg) if torch.compiler.is_compiling() else cached(arg)
-    return call
-
-
-# --------------------------------------------------------------------------------- operand specs, plans
-
-@dataclass(frozen=True)
-class OperandSpec:
-    """One GEMM operand: its format (None: high precision, BF16), its block in operand layout, and the
-    multiple its contraction (last) dim is zero-padded to for the GEMM it feeds (1: none)."""
-
-    fmt: Fp8Format | None
-    block: Block
-    pad: int = 1
-
-    @property
-    def key(self) -> str:
-        if self.fmt is None:
-            return "bf16"
-        block = "tensor" if self.block is None else f"{self.block[0]}x{self.block[1]}"
-        return f"{self.fmt.value}:{block}:{self.pad}"
-
-    @staticmethod
-    def parse(key: str) -> "OperandSpec":
-        return _parse_spec(key)
-
-    @property
-    def is_tile(self) -> bool:
-        return self.fmt is not None and self.block == TILE
-
-
-@_eager_cache
-def _parse_spec(key: str) -> OperandSpec:
-    if key == "bf16":
-        return OperandSpec(None, None)
-    fmt, block, pad = key.split(":")
-    return OperandSpec(Fp8Format(fmt), None if block == "tensor" else tuple(int(b) for b in block.split("x")),
-                       int(pad))
-
-
-def contraction_pad(gemm: GemmConfig, cublas: bool) -> int:
-    """Contraction padding of one GEMM: 512 for cuBLAS's blockwise kernels (whole groups of four 128-blocks),
-    16 (FP8 alignment) for its other FP8 kernels, none when emulated. Both operands get the same."""
-    if not cublas or gemm.a.fmt is None or gemm.b.fmt is None:
-        return 1
-    blockwise = all(c.block is not None and c.block[1] == 128 for c in (gemm.a, gemm.b))
-    return _BLOCKWISE_PAD if blockwise else 16
-
-
-_PLAN_FIELDS = ("x", "w", "g", "w_t", "g_t", "x_t")
-
-
-@dataclass(frozen=True)
-class LinearPlan:
-    """What a recipe and the device fix about one Linear's three GEMMs: the six operand specs, scale
-    rounding, whether the GEMMs may run on cuBLAS, and where grad_weight's input operand comes from."""
-
-    x: OperandSpec    # input rows: a of output
-    w: OperandSpec    # weight: b of output
-    g: OperandSpec    # grad_output rows: a of grad_input
-    w_t: OperandSpec  # weight.T: b of grad_input
-    g_t: OperandSpec  # grad_output.T: a of grad_weight
-    x_t: OperandSpec  # input.T: b of grad_weight
-    pow2: bool
-    cublas: bool
-    x_t_from_fp8: bool
-    deep_gemm: bool = False  # tile x block GEMMs (output, grad_input) on DeepGEMM's SM90 kernel (with cublas)
-
-    @classmethod
-    def of(cls, recipe: Fp8Recipe, cublas: bool) -> "LinearPlan":
-        r = recipe
-        pads = {name: contraction_pad(getattr(r, name), cublas) for name in ("output", "grad_input", "grad_weight")}
-        spec = lambda cfg, gemm: OperandSpec(cfg.fmt, cfg.block, pads[gemm])  # noqa: E731
-        return cls(spec(r.output.a, "output"), spec(r.output.b, "output"), spec(r.grad_input.a, "grad_input"),
-                   spec(r.grad_input.b, "grad_input"), spec(r.grad_weight.a, "grad_weight"),
-                   spec(r.grad_weight.b, "grad_weight"), r.pow2_scale, cublas, r.wgrad_input_from_fp8,
-                   r.deep_gemm and cublas)
-
-    @property
-    def key(self) -> str:
-        specs = ",".join(getattr(self, f).key for f in _PLAN_FIELDS)
-        return f"{specs};{int(self.pow2)}{int(self.cublas)}{int(self.x_t_from_fp8)}{int(self.deep_gemm)}"
-
-    @staticmethod
-    def parse(key: str) -> "LinearPlan":
-        return _parse_plan(key)
-
-
-@_eager_cache
-def _parse_plan(key: str) -> LinearPlan:
-    specs, flags = key.split(";")
-    return LinearPlan(*(OperandSpec.parse(k) for k in specs.split(",")), *(f == "1" for f in flags))
-
-
-# ------------------------------------------------------------------------------------- quantization
-
-def _pad_last(data: Tensor, pad: int) -> Tensor:
-    """Data zero-padded along the last dim to a multiple of `pad` (F.pad has no FP8 kernel: pad the bytes)."""
-    extra = -data.shape[1] % pad
-    if not extra:
-        return data
-    if data.element_size() == 1:
-        return F.pad(data.view(torch.uint8), (0, extra)).view(data.dtype)
-    return F.pad(data, (0, extra))
-
-
-def pad_operand(data: Tensor, scale: Tensor, spec: OperandSpec) -> tuple[Tensor, Tensor]:
-    """An operand's data [R, C] and scale (op layout, blocks of the C columns) padded for its GEMM: zero data
-    up to a multiple of `spec.pad` and scale 1 for the added blocks (whole-row and per-tensor scales cover
-    the padding as they are). The one padding rule: the quantizers, the weight cache and FSDP's FP8 weights."""
-    C = data.shape[1]
-    data = _pad_last(data, spec.pad)
-    if data.shape[1] == C or spec.fmt is None or spec.block is None or spec.block[1] == -1:
-        return data, scale
-    blocks = -(-data.shape[1] // spec.block[1])
-    if spec.block == TILE:  # [blocks, rows]
-        return data, F.pad(scale, (0, 0, 0, blocks - scale.shape[0]), value=1.0)
-    return data, F.pad(scale, (0, blocks - scale.shape[1]), value=1.0)
-
-
-def quantize_operand(x2d: Tensor, spec: OperandSpec, pow2: bool) -> tuple[Tensor, Tensor]:
-    """The reference quantization of a 2-D operand, padded for its GEMM, as (data, scale) in the op layout.
-    A high-precision operand is a BF16 copy (an op's output never aliases its input) with scale 1."""
-    if spec.fmt is None:
-        return x2d.to(torch.bfloat16, copy=True).contiguous(), torch.ones((), device=x2d.device)
-    data, scale = quantize_2d(x2d, resolve_block(spec.block, tuple(x2d.shape)), spec.fmt, pow2)
-    if spec.block == TILE:
-        scale = scale.t().contiguous()
-    return pad_operand(data, scale, spec)
-
-
-def dequantize_operand(data: Tensor, scale: Tensor, spec: OperandSpec) -> Tensor:
-    """FP32 values of an operand in the op layout (padding included)."""
-    if spec.fmt is None:
-        return data.float()
-    if spec.block == TILE:
-        scale = scale.t()
-    block = resolve_block(spec.block, tuple(data.shape))
-    return data.float() * expand_scale(scale, block, tuple(data.shape))
-
-
 def _empty(like: Tensor) -> tuple[Tensor, Tensor]:
     return like.new_empty(0, dtype=torch.uint8), like.new_empty(0, dtype=torch.float32)
 
@@ -241,7 +79,7 @@ def _tile_kernel_applies(rows: OperandSpec, cols: OperandSpec, cublas: bool) -> 
     # producing norm / SwiGLU kernels by 5% or more at 7B, though the latter saves its FP8 copies' memory:
     # docs/benchmarks.md section 0, item 1.)
     return (cublas and _kernels is not None and rows.is_tile and cols.is_tile
-            and rows.pad == cols.pad == _BLOCKWISE_PAD)
+            and rows.blockwise_padded and cols.blockwise_padded)
 
 
 def _quantize_activation(x2d: Tensor, rows: OperandSpec, cols: OperandSpec, pow2: bool, make_cols: bool,
@@ -260,7 +98,7 @@ def _quantize_activation(x2d: Tensor, rows: OperandSpec, cols: OperandSpec, pow2
         return rd, rs, *_empty(x2d)
     if (rows.fmt, rows.block) == (cols.fmt, cols.block) and rows.block is None and rows.fmt is not None:
         # one scale for the tensor: the transposed copy is the row copy transposed, exactly
-        return rd, rs, _pad_last(rd[:, : x2d.shape[1]].t().contiguous(), cols.pad), rs.clone()
+        return rd, rs, *pad_operand(rd[:, : x2d.shape[1]].t().contiguous(), rs.clone(), cols)
     return rd, rs, *quantize_operand(x2d.t(), cols, pow2)
 
 
@@ -268,7 +106,7 @@ def quantize_weight(w: Tensor, spec: OperandSpec, pow2: bool, transpose: bool, c
     """W [N, K] as the operand `spec` describes: W for output, or W.T (`transpose`) for grad_input."""
     if w.stride(1) != 1:
         w = w.contiguous()
-    if cublas and _kernels is not None and spec.fmt is not None and spec.block == BLOCK and spec.pad == _BLOCKWISE_PAD:
+    if cublas and _kernels is not None and spec.fmt is not None and spec.block == BLOCK and spec.blockwise_padded:
         if torch.compiler.is_compiling():
             return _kernels.quantize_blocks_op(w, spec.fmt.dtype, pow2, spec.pad, transpose)
         return _kernels.quantize_blocks(w, spec.fmt, pow2, spec.pad, transpose)
@@ -290,116 +128,8 @@ def transpose_weight(data: Tensor, scale: Tensor, plan: LinearPlan, k: int) -> t
     spec, spec_t = plan.w, plan.w_t
     data_t = data.view(torch.uint8)[:, :k].t().contiguous().view(data.dtype)
     if spec.block is None:
-        return _pad_last(data_t, spec_t.pad), scale.clone()
+        return pad_operand(data_t, scale.clone(), spec_t)
     return pad_operand(data_t, scale[:, : -(-k // 128)].t().contiguous(), spec_t)
-
-
-# ------------------------------------------------------------------------------------------- the GEMM
-
-class Route(enum.Enum):
-    """How one GEMM runs: a cuBLAS `scaled_mm` scaling pair, or emulated (dequantize + FP32 matmul)."""
-
-    EMULATED = "emulated"
-    TENSOR = "tensor"          # one scale per operand (any E4M3/E5M2 mix but E5M2 x E5M2)
-    ROW = "row"                # one scale per row of each operand (E4M3)
-    TILE_BLOCK = "tile_block"  # 1x128 tiles x 128x128 blocks (E4M3)
-    TILE_TILE = "tile_tile"    # 1x128 tiles x 1x128 tiles (E4M3)
-
-
-# The scaling pairs cuBLAS has kernels for; any other pair (custom recipes) is emulated.
-_ROUTES = {(None, None): Route.TENSOR, (ROW, ROW): Route.ROW, (TILE, BLOCK): Route.TILE_BLOCK,
-           (TILE, TILE): Route.TILE_TILE}
-
-
-def gemm_route(a: OperandSpec, b: OperandSpec) -> Route:
-    """The route an operand pair takes where cuBLAS FP8 GEMMs exist (SM90)."""
-    route = _ROUTES.get((a.block, b.block), Route.EMULATED) if a.fmt and b.fmt else Route.EMULATED
-    if route is Route.TENSOR:
-        return Route.EMULATED if a.fmt is b.fmt is Fp8Format.E5M2 else route
-    return route if a.fmt is b.fmt is Fp8Format.E4M3 else Route.EMULATED
-
-
-def gemm(a: Tensor, a_scale: Tensor, a_spec: OperandSpec, b: Tensor, b_scale: Tensor, b_spec: OperandSpec,
-         out_dtype: torch.dtype, cublas: bool, deep_gemm: bool = False) -> Tensor:
-    """a [Ra, C] @ b [Rb, C].T with FP32 accumulation, in out_dtype (the one GEMM of fp8train). `deep_gemm`:
-    a tile x block pair with BF16 output runs on DeepGEMM's SM90 kernel instead of cuBLAS's (the same
-    products, measured bit-identical; faster at the 7B shapes, docs/benchmarks.md)."""
-    route = gemm_route(a_spec, b_spec) if cublas else Route.EMULATED
-    if route is Route.EMULATED or a.shape[0] % 16 or b.shape[0] % 16:
-        # the same function on any device: an FP32 product even under an ambient autocast (a backward run
-        # inside one, or the forward with exact FP32 scales, whose dequantized values BF16 would round)
-        with torch.autocast(a.device.type, enabled=False):
-            return (dequantize_operand(a, a_scale, a_spec) @ dequantize_operand(b, b_scale, b_spec).t()).to(out_dtype)
-    ST = F.ScalingType
-    a, b = a.contiguous(), b.contiguous()
-    # mat_a a [Ra, C] row-major; mat_b b.t() [C, Rb] column-major (strides (1, C))
-    if route is Route.TILE_BLOCK and deep_gemm and out_dtype is torch.bfloat16 and b.shape[0] % 128 == 0:
-        # DeepGEMM's NT kernel: a [Ra, C] and b [Rb, C] K-major; scale_a as (Ra, C/128) strides (1, Ra) (its
-        # MN-major, TMA-aligned LHS layout: Ra % 16 == 0 here); scale_b [Rb/128, C/128] row-major as it is
-        return _deep_gemm_op(a, a_scale.contiguous().t(), b, b_scale.contiguous())
-    if route is Route.TILE_BLOCK:
-        # scale_a [C/128, Ra].t(): (Ra, C/128) strides (1, Ra); scale_b [Rb/128, C/128].t(): strides (1, C/128)
-        return _scaled_mm(a, b.t(), a_scale.contiguous().t(), ST.BlockWise1x128, b_scale.contiguous().t(),
-                          ST.BlockWise128x128, out_dtype)
-    if route is Route.TILE_TILE:
-        # scale_a (Ra, C/128) strides (1, Ra); scale_b [C/128, Rb].t(): (Rb, C/128) strides (1, Rb)
-        return _scaled_mm(a, b.t(), a_scale.contiguous().t(), ST.BlockWise1x128, b_scale.contiguous().t(),
-                          ST.BlockWise1x128, out_dtype)
-    if route is Route.TENSOR:
-        return _scaled_mm(a, b.t(), a_scale.reshape(1), ST.TensorWise, b_scale.reshape(1), ST.TensorWise, out_dtype)
-    # row-wise: scale_a (Ra, 1), scale_b (1, Rb); the CUTLASS kernel writes BF16 only
-    out = _scaled_mm(a, b.t(), a_scale.reshape(-1, 1), ST.RowWise, b_scale.reshape(1, -1), ST.RowWise, torch.bfloat16)
-    return out.to(out_dtype)
-
-
-def _scaled_mm(a: Tensor, b: Tensor, scale_a: Tensor, recipe_a, scale_b: Tensor, recipe_b, out_dtype) -> Tensor:
-    """`F.scaled_mm`; while compiling, the aten op it calls, directly: Dynamo (torch 2.11) does not trace
-    `torch._scaled_mm_v2`, and each GEMM would break the graph."""
-    if not torch.compiler.is_compiling():
-        return F.scaled_mm(a, b, scale_a, recipe_a, scale_b, recipe_b, output_dtype=out_dtype)
-    block = F.ScalingType.BlockWise128x128.value  # ints: Dynamo cannot compare the pybind enums
-    if (recipe_b.value == block and b.shape[1] % 128) or (recipe_a.value == block and a.shape[0] % 128):
-        # torch 2.11's shape check of the aten op floors a partial 128-block that cuBLAS takes (a dim such
-        # as 64): such GEMMs stay an opaque op (no real model has one; test models do)
-        return _scaled_mm_op(a, b, scale_a, recipe_a.value, scale_b, recipe_b.value, out_dtype)
-    return torch.ops.aten._scaled_mm_v2.default(a, b, [scale_a], [recipe_a.value], [], [scale_b], [recipe_b.value],
-                                                [], None, out_dtype)
-
-
-@torch.library.custom_op("fp8train::scaled_mm", mutates_args=())
-def _scaled_mm_op(a: Tensor, b: Tensor, scale_a: Tensor, recipe_a: int, scale_b: Tensor, recipe_b: int,
-                  out_dtype: torch.dtype) -> Tensor:
-    ST = F.ScalingType
-    return F.scaled_mm(a, b, scale_a, ST(recipe_a), scale_b, ST(recipe_b), output_dtype=out_dtype)
-
-
-@_scaled_mm_op.register_fake
-def _(a, b, scale_a, recipe_a, scale_b, recipe_b, out_dtype):
-    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
-
-
-@functools.cache
-def load_deep_gemm():
-    """The `deep_gemm` module, or a ValueError naming the recipe key and the install."""
-    try:
-        import deep_gemm
-    except ImportError as e:
-        raise ValueError(f"config key 'deep_gemm' is true but DeepGEMM does not import ({e}); build it from "
-                         "github.com/deepseek-ai/DeepGEMM as docs/benchmarks.md says, or set deep_gemm: false") from None
-    return deep_gemm
-
-
-@torch.library.custom_op("fp8train::deep_gemm", mutates_args=())
-def _deep_gemm_op(a: Tensor, scale_a: Tensor, b: Tensor, scale_b: Tensor) -> Tensor:
-    """D [Ra, Rb] = (a * scale_a) @ (b * scale_b).T in BF16 on DeepGEMM (1x128 tiles x 128x128 blocks)."""
-    out = a.new_empty((a.shape[0], b.shape[0]), dtype=torch.bfloat16)
-    load_deep_gemm().fp8_gemm_nt((a, scale_a), (b, scale_b), out)
-    return out
-
-
-@_deep_gemm_op.register_fake
-def _(a, scale_a, b, scale_b):
-    return a.new_empty((a.shape[0], b.shape[0]), dtype=torch.bfloat16)
 
 
 # ------------------------------------------------------------ forward and backward of one FP8 Linear

@@ -33,7 +33,7 @@ from torch import Tensor, nn
 
 from . import ops
 from .linear import FP8Linear, output_dtype, runs_on_cublas
-from .ops import LinearPlan
+from .operands import LinearPlan, dequantize_operand
 
 __all__ = ["FP8SwiGLUMLP", "swiglu_mlp_applies"]
 
@@ -45,7 +45,7 @@ def _save_fp8(t: Tensor, plan: LinearPlan) -> list[Tensor]:
 
 def _load_fp8(data: Tensor, scale: Tensor, plan: LinearPlan, shape: torch.Size, dtype: torch.dtype) -> Tensor:
     """The values `_save_fp8` kept, dequantized, in `shape` and `dtype`."""
-    return ops.dequantize_operand(data, scale, plan.x)[:, : shape[-1]].to(dtype).view(shape)
+    return dequantize_operand(data, scale, plan.x)[:, : shape[-1]].to(dtype).view(shape)
 
 
 class _SwiGLUFn(torch.autograd.Function):

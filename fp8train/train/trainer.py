@@ -25,7 +25,7 @@ from torch import nn
 from ..data import GlobalBatchSampler, build_cpt_datasets, build_sft_datasets, collate, rank_slice
 from ..fp8.convert import cache_fp8_weights, convert_to_fp8, freeze_fp8_weights
 from ..fp8.health import track_fp8_health
-from ..fp8.ops import load_deep_gemm
+from ..fp8.gemm import load_deep_gemm
 from ..fp8.recipe import make_recipe
 from ..export import export_hf
 from ..threads import cpu_threads

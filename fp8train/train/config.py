@@ -3,25 +3,15 @@
     fp8train train configs/tiny_cpt.yaml optim.lr=3e-4 recipe=bf16 train.steps=20
 
 Every field carries a one-line attribute docstring (`fp8train train --help-config` prints them). Parsing
-is strict: an unknown key at any depth is an error naming the full dotted key and the closest valid one,
-and a value of the wrong type names its key. The `data` section is a `CptDataConfig` or an
+is strict (schema.py): an unknown key at any depth is an error naming the full dotted key and the closest
+valid one, and a value of the wrong type names its key. The `data` section is a `CptDataConfig` or an
 `SftDataConfig`, chosen by `stage`.
 """
 
 from __future__ import annotations
 
-import ast
 import copy
-import dataclasses
-import difflib
-import enum
-import inspect
-import math
 import os
-import re
-import textwrap
-import types
-import typing
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -33,18 +23,11 @@ from .distributed import DistributedConfig
 from .metrics import resolve_report_to
 from .model import PRESETS, ModelConfig
 from .optim import OptimConfig, lr_lambda
+from .schema import (ConfigError, coerce, default_text, field_docs, field_hints, flatten, from_dict, help_lines,
+                     key_lines, locate, merge, parse_overrides, to_plain, type_name)
 
 __all__ = ["ConfigError", "LoopConfig", "TrainConfig", "load_config", "config_to_dict", "format_config_help",
            "parse_overrides", "resolve_paths"]
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot be used; the message names the dotted key, `keys` holds it (and any
-    other key the error is about), so that `load_config` can say where the value came from."""
-
-    def __init__(self, message: str, key: str | tuple[str, ...] = ()):
-        super().__init__(message)
-        self.keys: tuple[str, ...] = (key,) if isinstance(key, str) else tuple(key)
 
 
 @dataclass
@@ -200,221 +183,16 @@ class TrainConfig:
 # ------------------------------------------------------------------------------------------- parsing
 
 
-def _field_doc(cls: type) -> dict[str, str]:
-    """Attribute docstrings: the string literal on the line after each annotated field, MRO included."""
-    docs: dict[str, str] = {}
-    for klass in reversed(cls.__mro__):
-        if not is_dataclass(klass):
-            continue
-        try:
-            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
-        except (OSError, TypeError, SyntaxError):
-            continue
-        body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
-        for node, nxt in zip(body, body[1:]):
-            if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-                    and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
-                    and isinstance(nxt.value.value, str)):
-                docs[node.target.id] = " ".join(nxt.value.value.split())
-    return docs
-
-
-def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
-def _type_name(tp: Any) -> str:
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if tp is type(None):
-        return "null"
-    if origin is Literal:
-        return " | ".join(str(a) for a in args)
-    if origin in (typing.Union, types.UnionType):
-        return " | ".join(_type_name(a) for a in args)
-    if isinstance(tp, type) and not args:
-        return tp.__name__
-    return str(tp).replace("typing.", "").replace("NoneType", "null")
-
-
-def _suggest(key: str, valid: list[str], prefix: str) -> str:
-    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
-    return f" (did you mean {_join(prefix, close[0])!r}?)" if close else ""
-
-
-def _join(prefix: str, key: str) -> str:
-    return f"{prefix}.{key}" if prefix else key
-
-
-def _coerce(value: Any, tp: Any, key: str) -> Any:
-    """Check `value` against the annotation `tp` and convert where YAML is loose (ints for floats, etc.)."""
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if tp is Any:
-        return value
-    if origin in (typing.Union, types.UnionType):
-        if value is None:
-            if type(None) in args:
-                return None
-            raise ConfigError(f"config key {key!r} must not be null", key=key)
-        errors = []
-        for arg in (a for a in args if a is not type(None)):
-            try:
-                return _coerce(value, arg, key)
-            except ConfigError as e:
-                errors.append(e)
-        if len(errors) == 1:
-            raise errors[0]
-        raise ConfigError(f"config key {key!r} must be {_type_name(tp)}, got {value!r}", key=key)
-    if value is None:
-        raise ConfigError(f"config key {key!r} must not be null (expected {_type_name(tp)})", key=key)
-    if origin is Literal:
-        if value in args:
-            return value
-        raise ConfigError(f"config key {key!r} must be one of {list(args)}, got {value!r}", key=key)
-    if is_dataclass(tp):
-        if isinstance(value, tp):
-            return value
-        if not isinstance(value, dict):
-            raise ConfigError(f"config key {key!r} is a section: expected a mapping, got {value!r}", key=key)
-        return _from_dict(tp, value, key)
-    if origin is list and isinstance(value, str):
-        value = [value]  # `data.paths=corpus.txt`: one item
-    if origin in (list, tuple):
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"config key {key!r} must be a list ({_type_name(tp)}), got {value!r}", key=key)
-        if origin is tuple and args and args[-1] is not Ellipsis:
-            if len(value) != len(args):
-                raise ConfigError(f"config key {key!r} must have {len(args)} items, got {len(value)}", key=key)
-            return tuple(_coerce(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
-        item = args[0] if args else Any
-        out = [_coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
-        return tuple(out) if origin is tuple else out
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"config key {key!r} must be a mapping, got {value!r}", key=key)
-        vt = args[1] if args else Any
-        return {k: _coerce(v, vt, f"{key}.{k}") for k, v in value.items()}
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(f"config key {key!r} must be true or false, got {value!r}", key=key)
-    if tp is int:
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise ConfigError(f"config key {key!r} must be an integer, got {value!r}", key=key)
-    if tp is float:
-        if isinstance(value, str):  # YAML 1.1 reads `1e-4` (no dot) as a string
-            try:
-                value = float(value)
-            except ValueError:
-                raise ConfigError(f"config key {key!r} must be a number, got {value!r}", key=key) from None
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-            return float(value)
-        raise ConfigError(f"config key {key!r} must be a finite number, got {value!r}", key=key)
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        raise ConfigError(f"config key {key!r} must be a string, got {value!r}", key=key)
-    if isinstance(tp, type) and issubclass(tp, Path):
-        if isinstance(value, (str, Path)):
-            return Path(value)
-        raise ConfigError(f"config key {key!r} must be a path string, got {value!r}", key=key)
-    if isinstance(tp, type) and issubclass(tp, enum.Enum):
-        try:
-            return tp(value)
-        except ValueError:
-            raise ConfigError(f"config key {key!r} must be one of {[e.value for e in tp]}, got {value!r}", key=key) from None
-    if isinstance(tp, type) and isinstance(value, tp):
-        return value
-    raise ConfigError(f"config key {key!r} must be {_type_name(tp)}, got {value!r}", key=key)
-
-
-def _from_dict(cls: type, raw: dict, prefix: str = "", overrides: dict[str, Any] | None = None) -> Any:
-    """Build dataclass `cls` from `raw`, strictly: unknown keys and wrong types name their dotted key."""
-    hints = _hints(cls)
-    init_fields = {f.name: f for f in fields(cls) if f.init}
-    for key in raw:
-        if key not in init_fields:
-            raise ConfigError(f"unknown config key {_join(prefix, str(key))!r}"
-                              f"{_suggest(str(key), list(init_fields), prefix)}", _join(prefix, str(key)))
-    kwargs = {}
-    for name, f in init_fields.items():
-        key = _join(prefix, name)
-        if overrides and name in overrides:
-            kwargs[name] = overrides[name]
-        elif name in raw:
-            kwargs[name] = _coerce(raw[name], hints[name], key)
-        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise ConfigError(f"missing required config key {key!r} ({_field_doc(cls).get(name, _type_name(hints[name]))})", key=key)
-    try:
-        return cls(**kwargs)
-    except ConfigError:
-        raise
-    except (ValueError, TypeError) as e:  # a component's own __post_init__ check, which names its dotted key
-        msg = str(e)
-        keys = tuple(k for k in (_join(prefix, name) for name in init_fields) if re.search(rf"\b{re.escape(k)}\b", msg))
-        if not keys:
-            msg = f"config section {prefix or 'top level'!r}: {msg}"
-        raise ConfigError(msg, keys or prefix) from None
-
-
-def parse_overrides(items: list[str]) -> dict:
-    """`["optim.lr=3e-4", "recipe=bf16"]` -> nested dict; values are YAML scalars (`null`, `true`, `[1, 2]`)."""
-    out: dict = {}
-    for item in items:
-        key, sep, text = item.partition("=")
-        key = key.strip()
-        if not sep or not key or any(not part for part in key.split(".")):
-            raise ConfigError(f"override {item!r} is not of the form dotted.key=value")
-        value = _override_value(item, text)
-        node = out
-        parts = key.split(".")
-        for i, part in enumerate(parts[:-1]):
-            child = node.setdefault(part, {})
-            if not isinstance(child, dict):
-                raise ConfigError(f"override {item!r}: {'.'.join(parts[: i + 1])!r} is set to a value, not a section")
-            node = child
-        node[parts[-1]] = value
-    return out
-
-
-def _override_value(item: str, text: str) -> Any:
-    """A YAML scalar or list; a glob such as `*.txt` or `[*.md, *.txt]` (YAML reads `*` as an alias) is
-    taken as plain strings, so that `data.include=[*.txt]` needs no inner quotes."""
-    if not text.strip():
-        return None
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        plain = text.strip()
-        if "*" in plain and not any(c in plain for c in "{}:#&!|>'\""):
-            if plain.startswith("[") and plain.endswith("]"):
-                return [part.strip() for part in plain[1:-1].split(",") if part.strip()]
-            return plain
-        raise ConfigError(f"override {item!r}: the value is not valid YAML ({str(e).splitlines()[0]})") from None
-
-
-def _merge(base: dict, over: dict) -> dict:
-    out = dict(base)
-    for k, v in over.items():
-        if isinstance(v, dict) and isinstance(out.get(k), dict):
-            out[k] = _merge(out[k], v)
-        else:
-            out[k] = v
-    return out
-
-
 def config_from_dict(raw: dict, world_size: int = 1) -> TrainConfig:
     """Build and validate a `TrainConfig` from a nested dict (YAML already merged with overrides)."""
     if not isinstance(raw, dict):
         raise ConfigError(f"a config must be a mapping at the top level, got {type(raw).__name__}")
-    stage = _coerce(raw.get("stage", "cpt"), _hints(TrainConfig)["stage"], "stage")
+    stage = coerce(raw.get("stage", "cpt"), field_hints(TrainConfig)["stage"], "stage")
     data_raw = raw.get("data")
     if data_raw is None:
         raise ConfigError("missing required config section 'data'", "data")
-    data = _coerce(data_raw, CptDataConfig if stage == "cpt" else SftDataConfig, "data")
-    cfg = _from_dict(TrainConfig, raw, overrides={"data": data})
+    data = coerce(data_raw, CptDataConfig if stage == "cpt" else SftDataConfig, "data")
+    cfg = from_dict(TrainConfig, raw, overrides={"data": data})
     cfg.validate(world_size)
     return cfg
 
@@ -447,7 +225,7 @@ def resolve_paths(raw: dict, base: str | os.PathLike) -> dict:
         node = raw.get(section) if section else raw
         if not isinstance(node, dict) or key not in node:
             continue
-        dotted = _join(section, key)
+        dotted = f"{section}.{key}" if section else key
         value = node[key]
         if isinstance(value, list):
             node[key] = [_resolve(v, base, dotted) for v in value]
@@ -457,61 +235,6 @@ def resolve_paths(raw: dict, base: str | os.PathLike) -> dict:
     if isinstance(hf, dict) and "name" in hf:
         hf["name"] = _resolve(hf["name"], base, "data.hf_dataset.name")
     return raw
-
-
-def _key_lines(text: str) -> dict[str, int]:
-    """The line of every dotted key (and list item, `key[i]`) of a YAML mapping."""
-    lines: dict[str, int] = {}
-
-    def walk(node, prefix: str) -> None:
-        if isinstance(node, yaml.MappingNode):
-            for k, v in node.value:
-                key = _join(prefix, str(k.value))
-                lines[key] = k.start_mark.line + 1
-                walk(v, key)
-        elif isinstance(node, yaml.SequenceNode):
-            for i, item in enumerate(node.value):
-                lines[f"{prefix}[{i}]"] = item.start_mark.line + 1
-
-    try:
-        walk(yaml.compose(text), "")
-    except yaml.YAMLError:
-        pass
-    return lines
-
-
-def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
-    out = {}
-    for k, v in tree.items():
-        key = _join(prefix, str(k))
-        if isinstance(v, dict) and v:
-            out.update(_flatten(v, key))
-        else:
-            out[key] = v
-    return out
-
-
-def _related(a: str, b: str) -> bool:
-    """Whether the dotted keys `a` and `b` name the same setting, or one holds the other."""
-    a, b = re.sub(r"\[\d+\]$", "", a), re.sub(r"\[\d+\]$", "", b)
-    return a == b or a.startswith(b + ".") or b.startswith(a + ".")
-
-
-def _where(e: ConfigError, path: Path | None, lines: dict[str, int], overrides: dict[str, str]) -> str:
-    """The error prefixed by where its value came from: the override as typed, or the file and line."""
-    for key in e.keys:
-        typed = [text for k, text in overrides.items() if _related(k, key)]
-        if typed:
-            return f"{typed[0]} (command line): {e}"
-    if path is None:
-        return str(e)
-    for key in e.keys:  # the key's line, else its section's (a missing key)
-        key = re.sub(r"\[\d+\]$", "", key) if key not in lines else key
-        while key and key not in lines:
-            key = key.rpartition(".")[0]
-        if key:
-            return f"{path}:{lines[key]}: {e}"
-    return f"{path}: {e}"
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | dict | None = None,
@@ -535,87 +258,43 @@ def load_config(path: str | Path | None = None, overrides: list[str] | dict | No
             raise ConfigError(f"{path}: not valid YAML: {' '.join(str(e).split())}") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: a config must be a mapping at the top level")
-        lines = _key_lines(text)
+        lines = key_lines(text)
         raw = resolve_paths(raw, path.parent)
     typed: dict[str, str] = {}
     if overrides:
         if isinstance(overrides, dict):
             tree = overrides
-            typed = {k: f"{k}={v}" for k, v in _flatten(tree).items()}
+            typed = {k: f"{k}={v}" for k, v in flatten(tree).items()}
         else:
             tree = parse_overrides(list(overrides))
             typed = {item.partition("=")[0].strip(): item for item in overrides}
-        raw = _merge(raw, resolve_paths(tree, Path.cwd()))
+        raw = merge(raw, resolve_paths(tree, Path.cwd()))
     try:
         return config_from_dict(raw, world_size)
     except ConfigError as e:
-        raise ConfigError(_where(e, path, lines, typed), e.keys) from None
-
-
-def _plain(value: Any) -> Any:
-    if is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _plain(getattr(value, f.name)) for f in fields(value) if f.init}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, Path):
-        return str(value)
-    if isinstance(value, enum.Enum):
-        return value.value
-    return value
+        raise ConfigError(locate(e, path, lines, typed), e.keys) from None
 
 
 def config_to_dict(cfg: Any) -> dict:
     """A YAML-safe nested dict that `load_config` reads back into an equal config."""
-    return _plain(cfg)
-
-
-def _default_text(f: dataclasses.Field) -> str:
-    if f.default is not dataclasses.MISSING:
-        return yaml.safe_dump(_plain(f.default), default_flow_style=True).strip().removesuffix("...").strip()
-    if f.default_factory is not dataclasses.MISSING:
-        return yaml.safe_dump(_plain(f.default_factory()), default_flow_style=True).strip().removesuffix("...").strip()
-    return "(required)"
-
-
-def _help_lines(cls: type, prefix: str, out: list[str]) -> None:
-    docs, hints = _field_doc(cls), _hints(cls)
-    for f in fields(cls):
-        if not f.init:
-            continue
-        key, tp = _join(prefix, f.name), hints[f.name]
-        section = _optional_section(tp)
-        if is_dataclass(tp) or section is not None:
-            out.append(f"  {key}: section{' = null (optional)' if section else ''}\n      {docs.get(f.name, '')}")
-            _help_lines(section or tp, key, out)
-            continue
-        out.append(f"  {key}: {_type_name(tp)} = {_default_text(f)}\n      {docs.get(f.name, '')}")
-
-
-def _optional_section(tp: Any) -> type | None:
-    """The dataclass of an optional section (`X | None`), else None."""
-    args = [a for a in typing.get_args(tp) if a is not type(None)]
-    if typing.get_origin(tp) in (typing.Union, types.UnionType) and len(args) == 1 and is_dataclass(args[0]):
-        return args[0]
-    return None
+    return to_plain(cfg)
 
 
 def format_config_help() -> str:
     """Every config key with its type, default and docstring (what `--help-config` prints)."""
     out = ["fp8train training config. Keys are set in the YAML file or as dotted overrides (key=value)."]
     top = [f for f in fields(TrainConfig) if f.name != "data"]
-    docs, hints = _field_doc(TrainConfig), _hints(TrainConfig)
+    docs, hints = field_docs(TrainConfig), field_hints(TrainConfig)
     for f in top:
         tp = hints[f.name]
         if is_dataclass(tp):
             continue
-        out.append(f"  {f.name}: {_type_name(tp)} = {_default_text(f)}\n      {docs.get(f.name, '')}")
+        out.append(f"  {f.name}: {type_name(tp)} = {default_text(f)}\n      {docs.get(f.name, '')}")
     for f in top:
         if is_dataclass(hints[f.name]):
             out.append(f"\n[{f.name}]  {docs.get(f.name, '')}")
-            _help_lines(hints[f.name], f.name, out)
+            help_lines(hints[f.name], f.name, out)
     for stage, cls in (("cpt", CptDataConfig), ("sft", SftDataConfig)):
         out.append(f"\n[data]  (stage: {stage}) {cls.__doc__.strip().splitlines()[0] if cls.__doc__ else ''}")
-        _help_lines(cls, "data", out)
+        help_lines(cls, "data", out)
     return "\n".join(out)

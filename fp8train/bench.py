@@ -251,7 +251,7 @@ def run_case(case: BenchCase, *, steps: int = 5, warmup: int = 2, device: str = 
         if top_kernels:
             res["top_kernels_ms"] = top_kernel_times(prof, top_kernels)
     if memory and cuda:
-        res["memory_gib"] = memory_breakdown(trainer, trainer._micro_batches(next(iter(trainer.sampler))))
+        res["memory_gib"] = memory_breakdown(trainer, trainer.next_micro_batches())
     del trainer, model, rows
     gc.collect()
     if cuda:

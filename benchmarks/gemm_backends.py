@@ -13,6 +13,11 @@ dequantized operands (SQNR in dB) and whether the two agree bit for bit. output 
 `gemm(..., deep_gemm=True)`, the route training takes with the recipe's `deep_gemm`; DeepGEMM's
 grad_weight kernel, which training does not use, accumulates into an FP32 C (D = C + A B): timed with
 C = D = a zeroed buffer, the zeroing timed apart.
+
+`--merged` asks what one GEMM per group of projections that read the same input would save (a measurement
+before any such change to the library): q, k and v as one [Nq + 2 Nkv, K] projection, gate and up as one
+[2 I, K], against their separate GEMMs on the route training takes, the separate grad_inputs' BF16 sums
+included (two for q/k/v, one for gate/up).
 """
 
 from __future__ import annotations
@@ -103,6 +108,39 @@ def bench(dg, model: str, M: int) -> list[dict]:
     return rows
 
 
+def bench_merged(model: str, M: int, deep_gemm: bool) -> list[dict]:
+    """Each group's three GEMMs, separate (as many launches as projections, + grad_input sums) and merged."""
+    plan = LinearPlan.of(make_recipe("hybrid", deep_gemm=deep_gemm), cublas=True)
+    shapes = SHAPES[model]
+    (nq, k), (nkv, _), (ni, _) = shapes["q/o"], shapes["k/v"], shapes["gate/up"]
+    groups = {"q/k/v": ([nq, nkv, nkv], nq + 2 * nkv), "gate/up": ([ni, ni], 2 * ni)}
+    routed = lambda a, a_s, a_spec, b, b_s, b_spec, out_dtype: (  # noqa: E731
+        lambda: gemm(a, a_s, a_spec, b, b_s, b_spec, out_dtype, True, deep_gemm=deep_gemm))
+    dx = torch.randn(M, k, device="cuda").bfloat16()
+    add_ms = _ms(lambda: dx + dx)  # one BF16 sum of two grad_inputs [M, K]
+    rows = []
+    for group, (parts, merged) in groups.items():
+        separate = [_operands(M, n, k, plan) for n in parts]
+        whole = _operands(M, merged, k, plan)
+        for kind in ("output", "grad_input", "grad_weight"):
+            sep = sum(_ms(routed(*ops_[kind])) for ops_ in separate)
+            sep += add_ms * (len(parts) - 1) if kind == "grad_input" else 0.0
+            one = _ms(routed(*whole[kind]))
+            r = {"model": model, "group": group, "gemm": kind, "deep_gemm": deep_gemm, "separate_ms": sep,
+                 "merged_ms": one, "saved_ms": sep - one}
+            rows.append(r)
+            print(json.dumps(r), flush=True)
+    return rows
+
+
+def merged_table(rows: list[dict]) -> str:
+    out = ["| model | group | GEMM | deep_gemm | separate ms (+ sums) | merged ms | saved ms |",
+           "|---|---|---|---|---|---|---|"]
+    out += [f"| {r['model']} | {r['group']} | {r['gemm']} | {r['deep_gemm']} | {r['separate_ms']:.3f} | "
+            f"{r['merged_ms']:.3f} | {r['saved_ms']:.3f} |" for r in rows]
+    return "\n".join(out)
+
+
 def table(rows: list[dict]) -> str:
     out = ["| model | shape | GEMM | M x N x K | cuBLAS ms | TFLOP/s | DeepGEMM ms | TFLOP/s | speed-up "
            "| SQNR dB cuBLAS / DeepGEMM | bit-identical |", "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -129,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--models", nargs="+", default=["7b", "1.5b"], choices=sorted(SHAPES))
     p.add_argument("--out", type=Path)
+    p.add_argument("--merged", action="store_true", help="also time q/k/v and gate/up as one GEMM each")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("gemm_backends.py: no CUDA device", file=sys.stderr)
@@ -140,6 +179,11 @@ def main(argv: list[str] | None = None) -> int:
         dg = None
     rows = [r for model in args.models for r in bench(dg, model, args.tokens)]
     print(table(rows))
+    if args.merged:
+        merged = [r for model in args.models for deep in ((False, True) if dg else (False,))
+                  for r in bench_merged(model, args.tokens, deep)]
+        print(merged_table(merged))
+        rows += merged
     if args.out:
         args.out.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return 0

@@ -6,8 +6,9 @@ The activation kernel reads x [M, K] (BF16) once and writes two FP8 copies plus 
 floor is (2 + 1 + 1) bytes per element at copy bandwidth; the weight kernel reads FP32 and writes two
 FP8 copies (4 + 1 + 1). Variants: the library's kernels at 4/8/16 warps, the rows-only launch (no
 backward), the same with exact FP32 scales (`pow2_scale: false`), a strip variant that loops over several
-128-feature tiles per program (software-pipelined loads), and `--legacy` (a copy of an older
-`_triton_quant.py`, for A/B in one process).
+128-feature tiles per program (software-pipelined loads), the weight kernel multiplying by 2^-e instead
+of dividing for power-of-two scales (`divide=False`, the candidate to replace the division), and `--legacy`
+(a copy of an older `_triton_quant.py`, for A/B in one process).
 """
 
 from __future__ import annotations
@@ -178,6 +179,8 @@ def main(argv=None) -> int:
                                       tq.quantize_blocks(w_, E4M3, True, 512, True, num_warps=w))) for w in (4, 8, 16)}
     wgt["w8 exact"] = lambda w_: (tq.quantize_blocks(w_, E4M3, False, 512),
                                   tq.quantize_blocks(w_, E4M3, False, 512, True))
+    wgt["w8 multiply"] = lambda w_: (tq.quantize_blocks(w_, E4M3, True, 512, divide=False),  # pow2, no division
+                                     tq.quantize_blocks(w_, E4M3, True, 512, True, divide=False))
     if legacy is not None:
         def legacy_weight(w_):  # the old kernel returned (W, W.T, scale)
             q, qt, s = legacy.quantize_blocks_and_transpose(w_, E4M3, True, 512)

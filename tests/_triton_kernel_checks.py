@@ -91,11 +91,11 @@ def interpret() -> dict:
                     if not ok:
                         failures.append(f"activation {name} {f} pow2={pow2} cols={cols}")
         if x.dtype == torch.float32 and x.shape[0] % 128 == 0:  # weights: FP32 masters, 128x128 blocks
-            for pow2 in (True, False):
+            for pow2, divide in ((True, True), (True, False), (False, True)):  # divide: pow2 only
                 fmt = Fp8Format.E4M3
                 fake = SimpleNamespace(dtype=torch.float32, max=fmt.max)
-                q, s = tq.quantize_blocks(x, fake, pow2, 512)
-                qt, st = tq.quantize_blocks(x, fake, pow2, 512, transpose=True)
+                q, s = tq.quantize_blocks(x, fake, pow2, 512, divide=divide)
+                qt, st = tq.quantize_blocks(x, fake, pow2, 512, transpose=True, divide=divide)
                 nb, kb = M // 128, -(-K // 128)
                 blocks = torch.nn.functional.pad(x, (0, kb * 128 - K)).view(nb, 128, kb, 128)
                 rs = compute_scale(blocks.abs().amax(dim=(1, 3)), fmt, pow2)
@@ -107,7 +107,7 @@ def interpret() -> dict:
                 ok &= bool((s[:, kb:] == 1).all()) and bool((st[:, nb:] == 1).all())
                 ok &= q.shape == (M, 512 * -(-K // 512)) and qt.shape == (K, 512 * -(-M // 512))
                 if not ok:
-                    failures.append(f"weight {name} pow2={pow2}")
+                    failures.append(f"weight {name} pow2={pow2} divide={divide}")
     failures += _producer_failures()
     failures += _launch_argument_failures()
     return {"failures": failures}
@@ -230,10 +230,11 @@ def compile_sm90() -> dict:
                                    options={"num_warps": tq._NUM_WARPS})
                 out[f"{name} pow2={pow2} cols={cols}"] = _resources(k)
         for transpose in (False, True):
-            consts = dict(FMT_MAX=448.0, POW2=pow2, BF16=False, TRANSPOSE=transpose, BLOCK=128)
-            k = triton.compile(ASTSource(tq._weight_kernel, w_sig, consts, aligned), target=target,
-                               options={"num_warps": tq._NUM_WARPS})
-            out[f"weight pow2={pow2} transpose={transpose}"] = _resources(k)
+            for divide in ((True, False) if pow2 else (True,)):
+                consts = dict(FMT_MAX=448.0, POW2=pow2, BF16=False, TRANSPOSE=transpose, BLOCK=128, DIVIDE=divide)
+                k = triton.compile(ASTSource(tq._weight_kernel, w_sig, consts, aligned), target=target,
+                                   options={"num_warps": tq._NUM_WARPS})
+                out[f"weight pow2={pow2} transpose={transpose} divide={divide}"] = _resources(k)
     return out
 
 

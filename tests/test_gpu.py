@@ -70,14 +70,15 @@ def test_activation_kernel_bitwise(shape, dtype, pow2, fmt):
 
 
 @pytest.mark.parametrize("shape", [(1536, 8960), (384, 200), (3584, 3584)])
-@pytest.mark.parametrize("pow2", [True, False])
-def test_weight_kernel_bitwise(shape, pow2):
-    """W and W.T (one launch each, as the forward and the backward make them) against the reference."""
+@pytest.mark.parametrize("pow2,divide", [(True, True), (False, True), (True, False)])
+def test_weight_kernel_bitwise(shape, pow2, divide):
+    """W and W.T (one launch each, as the forward and the backward make them) against the reference;
+    `divide=False` is the multiply for power-of-two scales that should replace the division (kernels.py)."""
     from fp8train.fp8 import kernels as _triton_quant
 
     w = _activation(shape, torch.float32, seed=1)
-    q, s = _triton_quant.quantize_blocks(w.cuda(), Fp8Format.E4M3, pow2, 512)
-    qt, st = _triton_quant.quantize_blocks(w.cuda(), Fp8Format.E4M3, pow2, 512, transpose=True)
+    q, s = _triton_quant.quantize_blocks(w.cuda(), Fp8Format.E4M3, pow2, 512, divide=divide)
+    qt, st = _triton_quant.quantize_blocks(w.cuda(), Fp8Format.E4M3, pow2, 512, transpose=True, divide=divide)
     ref = quantize(w, (128, 128), "e4m3", pow2)
     N, K = shape
     assert torch.equal(_bits(q[:, :K].cpu()), _bits(ref.data))

@@ -210,7 +210,7 @@ def _weight_kernel(
     q_ptr, ld_q,               # W [N, Kp] (ld_q = Kp), or W.T [K, Np] (ld_q = Np) with TRANSPOSE
     s_ptr, ld_s,               # scales, row-major: [ceil(N/128), Kp/128], or [ceil(K/128), Np/128]
     FMT_MAX: tl.constexpr, POW2: tl.constexpr, BF16: tl.constexpr, TRANSPOSE: tl.constexpr,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, DIVIDE: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -223,13 +223,16 @@ def _weight_kernel(
     if not BF16:
         w = w.to(tl.float32)
     s = _scale_from_amax_bits(tl.max(_amax_bits(_abs_bits(w, BF16), 1, BF16), axis=0), FMT_MAX, POW2)
-    if POW2:
+    if POW2 and DIVIDE:
         # IEEE division for power-of-two scales (exact, the same numbers as the multiply): with the multiply by
         # 2^-e the transposed store below came out wrong on the H200 (Triton 3.6; seen 2026-12-02, cause not
-        # found). Exact scales multiply by RN(1 / s), one division per block, as the reference.
+        # found). The division costs 3x the instructions (SM90 code: 1,904 against 832 for the transposed
+        # launch, 65 division calls), and the multiply's code now has the structure of the exact-scale path
+        # (verified on the H200: the same 64 byte loads of the FP8 transpose), so `divide=False` is kept to be
+        # checked and timed on the H200 (tests/test_gpu.py, benchmarks/bench_quant.py) and replace this.
         q = _clip(tl.div_rn(w.to(tl.float32), s), FMT_MAX)
-    else:
-        q = _quant(w, _inverse(s, False))
+    else:  # multiply by the block's reciprocal, as the activation kernel and the reference do
+        q = _quant(w, _inverse(s, POW2))
     q = q.to(q_ptr.dtype.element_ty)
     if TRANSPOSE:  # block (n, k) of W is block (k, n) of W.T: same data transposed, same scale
         tl.store(q_ptr + offs_k[:, None] * ld_q + offs_n[None, :], tl.trans(q),
@@ -312,10 +315,12 @@ def quantize_swiglu_grads(dh, g, u, row_fmt, col_fmt, pow2: bool, pad: int, cols
 
 
 def quantize_blocks(w, fmt, pow2: bool, pad: int, transpose: bool = False, num_warps: int = _NUM_WARPS,
-                    _traced: bool = False):
+                    _traced: bool = False, divide: bool = True):
     """w [N, K] -> W (data [N, Kp], scale [ceil(N/128), Kp/128]) or, with `transpose`, W.T (data [K, Np],
     scale [ceil(K/128), Np/128]); Kp, Np = round_up(., pad); scales row-major. The transposed copy is the
-    quantization of w.T itself: a 128x128 block's scale does not depend on which way it is read."""
+    quantization of w.T itself: a 128x128 block's scale does not depend on which way it is read.
+    `divide=False`: power-of-two scales multiply by 2^-e instead of dividing (the same numbers; the
+    experiment the kernel's comment describes, not yet what the library runs)."""
     N, K = w.shape
     rows, cols = (K, N) if transpose else (N, K)  # of the operand
     cols_p = round_up(cols, pad)
@@ -327,7 +332,7 @@ def quantize_blocks(w, fmt, pow2: bool, pad: int, transpose: bool = False, num_w
     _launcher(_weight_kernel, _traced)[grid](
         w, N, K, w.stride(0), q, ld_q, s, ld_s,
         FMT_MAX=fmt.max, POW2=pow2, BF16=w.dtype == torch.bfloat16, TRANSPOSE=transpose, BLOCK=_SIDE,
-        num_warps=num_warps,
+        DIVIDE=divide, num_warps=num_warps,
     )
     return q, s
 

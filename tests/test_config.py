@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fp8train.train.config import ConfigError, config_to_dict, format_config_help, load_config, parse_overrides
+from fp8train.train.config import ConfigError, config_to_dict, format_config_help, load_config
+from fp8train.train.schema import parse_overrides
 from fp8train.data import CptDataConfig, SftDataConfig
 
 CONFIGS = Path(__file__).parent.parent / "configs"

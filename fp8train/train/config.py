@@ -26,8 +26,9 @@ from .optim import OptimConfig, lr_lambda
 from .schema import (ConfigError, coerce, default_text, field_docs, field_hints, flatten, from_dict, help_lines,
                      key_lines, locate, merge, parse_overrides, to_plain, type_name)
 
+# ConfigError is schema's: exported here too, as the error of loading a config
 __all__ = ["ConfigError", "LoopConfig", "TrainConfig", "load_config", "config_to_dict", "format_config_help",
-           "parse_overrides", "resolve_paths"]
+           "resolve_paths"]
 
 
 @dataclass

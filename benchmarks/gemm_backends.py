@@ -114,8 +114,10 @@ def bench_merged(model: str, M: int, deep_gemm: bool) -> list[dict]:
     shapes = SHAPES[model]
     (nq, k), (nkv, _), (ni, _) = shapes["q/o"], shapes["k/v"], shapes["gate/up"]
     groups = {"q/k/v": ([nq, nkv, nkv], nq + 2 * nkv), "gate/up": ([ni, ni], 2 * ni)}
-    routed = lambda a, a_s, a_spec, b, b_s, b_spec, out_dtype: (  # noqa: E731
-        lambda: gemm(a, a_s, a_spec, b, b_s, b_spec, out_dtype, True, deep_gemm=deep_gemm))
+
+    def time_ms(operands: tuple) -> float:  # one GEMM on the route training takes
+        return _ms(lambda: gemm(*operands, True, deep_gemm=deep_gemm))
+
     dx = torch.randn(M, k, device="cuda").bfloat16()
     add_ms = _ms(lambda: dx + dx)  # one BF16 sum of two grad_inputs [M, K]
     rows = []
@@ -123,9 +125,9 @@ def bench_merged(model: str, M: int, deep_gemm: bool) -> list[dict]:
         separate = [_operands(M, n, k, plan) for n in parts]
         whole = _operands(M, merged, k, plan)
         for kind in ("output", "grad_input", "grad_weight"):
-            sep = sum(_ms(routed(*ops_[kind])) for ops_ in separate)
+            sep = sum(time_ms(part[kind]) for part in separate)
             sep += add_ms * (len(parts) - 1) if kind == "grad_input" else 0.0
-            one = _ms(routed(*whole[kind]))
+            one = time_ms(whole[kind])
             r = {"model": model, "group": group, "gemm": kind, "deep_gemm": deep_gemm, "separate_ms": sep,
                  "merged_ms": one, "saved_ms": sep - one}
             rows.append(r)

@@ -348,7 +348,7 @@ _FORMATS = {f.dtype: f for f in Fp8Format}
 def quantize_tiles_op(x2d: torch.Tensor, row_dtype: torch.dtype, col_dtype: torch.dtype, pow2: bool, pad: int,
                       cols: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return ops_layout(quantize_tiles_and_transpose(x2d, _FORMATS[row_dtype], _FORMATS[col_dtype], pow2, pad, cols,
-                                                    _traced=True), x2d)
+                                                   _traced=True), x2d)
 
 
 @torch.library.triton_op("fp8train::quantize_swiglu_tiles", mutates_args=())

@@ -2,6 +2,7 @@
 
     python tests/_triton_kernel_checks.py interpret   # with TRITON_INTERPRET=1: the kernels' arithmetic
     python tests/_triton_kernel_checks.py compile     # sm90 machine code: registers and spills
+    python tests/_triton_kernel_checks.py exhaustive  # with TRITON_INTERPRET=1: power-of-two scales, every amax
 
 `interpret` runs the kernels in Triton's interpreter and compares, bit for bit, the FP32 values they would
 convert to FP8 (the interpreter's own FP8 cast is wrong: it rounds 31.65 to 16; the GPU's cvt.rn.satfinite
@@ -23,6 +24,7 @@ from types import SimpleNamespace
 import numpy
 import torch
 import triton
+import triton.language as tl
 
 from fp8train.fp8 import kernels as tq
 from fp8train.fp8.quant import compute_scale, reciprocal
@@ -108,9 +110,60 @@ def interpret() -> dict:
                 ok &= q.shape == (M, 512 * -(-K // 512)) and qt.shape == (K, 512 * -(-M // 512))
                 if not ok:
                     failures.append(f"weight {name} pow2={pow2} divide={divide}")
+    failures += _scale_failures()
     failures += _producer_failures()
     failures += _launch_argument_failures()
     return {"failures": failures}
+
+
+@triton.jit
+def _scales_kernel(bits_ptr, s_ptr, n, FMT_MAX: tl.constexpr, POW2: tl.constexpr, DIVISION: tl.constexpr,
+                   BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    amax_bits = tl.load(bits_ptr + offs, mask=offs < n)
+    tl.store(s_ptr + offs, tq._scale_from_amax_bits(amax_bits, FMT_MAX, POW2, DIVISION), mask=offs < n)
+
+
+def _scale_failures() -> list:
+    """The kernels' scale from an amax, against `compute_scale`, for amax = every FP32 exponent (subnormals
+    included) with the mantissas around fmt.max's (where a power-of-two scale steps up), their extremes and
+    random ones, and 0, Inf, NaN: the power-of-two scale made from the bit patterns and by the division."""
+    g = torch.Generator().manual_seed(2)
+    failures = []
+    for f in ("e4m3", "e5m2"):
+        fmt = Fp8Format.parse(f)
+        m_fmt = int(torch.tensor(fmt.max, dtype=torch.float32).view(torch.int32)) & 0x7FFFFF
+        mantissas = torch.cat([torch.tensor([0, 1, 2, m_fmt - 1, m_fmt, m_fmt + 1, m_fmt + 2, 0x7FFFFE, 0x7FFFFF]),
+                               torch.randint(0, 1 << 23, (55,), generator=g)])
+        bits = ((torch.arange(255)[:, None] << 23) | mantissas[None, :]).flatten().to(torch.int32)
+        bits = torch.cat([bits, torch.tensor([0x7F800000, 0x7FC00000, 0x7F800001], dtype=torch.int32)])
+        for pow2, division in ((True, False), (True, True), (False, True)):
+            got = torch.empty(bits.numel(), dtype=torch.float32)
+            _scales_kernel[(-(-bits.numel() // 1024),)](bits, got, bits.numel(), FMT_MAX=fmt.max, POW2=pow2,
+                                                        DIVISION=division, BLOCK=1024)
+            want = compute_scale(bits.view(torch.float32), fmt, pow2)
+            bad = (_bits(got) != _bits(want)).nonzero().flatten()
+            if bad.numel():
+                i = int(bad[0])
+                failures.append(f"scale {f} pow2={pow2} division={division}: {bad.numel()} amax values differ, "
+                                f"first {hex(int(bits[i]))}: {got[i].item()!r} vs {want[i].item()!r}")
+    return failures
+
+
+def exhaustive() -> dict:
+    """The power-of-two scale from bit patterns against `compute_scale` for every non-negative FP32 amax (2^31
+    patterns, both formats; a few minutes in the interpreter): the count of differences, each format."""
+    out = {}
+    for f in ("e4m3", "e5m2"):
+        fmt = Fp8Format.parse(f)
+        differ = 0
+        for start in range(0, 1 << 31, 1 << 26):
+            bits = torch.arange(start, start + (1 << 26), dtype=torch.int64).to(torch.int32)
+            got = torch.empty(bits.numel(), dtype=torch.float32)
+            _scales_kernel[(64,)](bits, got, bits.numel(), FMT_MAX=fmt.max, POW2=True, DIVISION=False, BLOCK=1 << 20)
+            differ += int((_bits(got) != _bits(compute_scale(bits.view(torch.float32), fmt, True))).sum())
+        out[f] = differ
+    return out
 
 
 def _launch_argument_failures() -> list:
@@ -239,4 +292,4 @@ def compile_sm90() -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(interpret() if sys.argv[1] == "interpret" else compile_sm90()))
+    print(json.dumps({"interpret": interpret, "exhaustive": exhaustive, "compile": compile_sm90}[sys.argv[1]]()))

@@ -18,6 +18,8 @@ Padded regions (Kp, Mp: contraction lengths rounded up for cuBLAS) hold zeros wi
 Why the kernels are cheap per element (they must stream at memory speed, ~4 TB/s on an H200):
 - amax and "holds a NaN" come from one integer max over the bit patterns of |x|: those order like the
   magnitudes, and every NaN pattern lies above +Inf's;
+- a power-of-two scale comes from amax's bit patterns too (exponent and a mantissa comparison), not from
+  the IEEE division amax / fmt.max that it equals (`_scale_from_amax_bits`);
 - quantizing multiplies by the block's reciprocal, made once per block on the scales, rather than
   dividing each element (an IEEE division is a multi-instruction sequence on the GPU: too slow per
   element). With power-of-two scales (the default) the reciprocal is the exact 2^-e (exponent
@@ -71,17 +73,30 @@ def _amax_bits(ax, axis: tl.constexpr, BF16: tl.constexpr):
 
 
 @triton.jit
-def _scale_from_amax_bits(amax_bits, FMT_MAX: tl.constexpr, POW2: tl.constexpr):
-    """amax as |x| bit patterns -> FP32 dequantize scale, as `quant.compute_scale` (NaN for a NaN block)."""
+def _scale_from_amax_bits(amax_bits, FMT_MAX: tl.constexpr, POW2: tl.constexpr, DIVISION: tl.constexpr = False):
+    """amax as |x| bit patterns -> FP32 dequantize scale, as `quant.compute_scale` (NaN for a NaN block).
+
+    A power-of-two scale comes from the bit patterns alone: with amax = ma * 2^ea and fmt.max = mf * 2^ef
+    (mantissas in [1, 2)), RN(amax / fmt.max) lies in (2^(ea-ef-1), 2^(ea-ef)] when ma <= mf and in
+    (2^(ea-ef), 2^(ea-ef+1)) when ma > mf (a quotient above 2^k is at least 2^k (1 + 2^-23 / mf), which never
+    rounds back onto 2^k), so rounding it up to a power of two gives 2^(ea - ef + (ma > mf)), clamped below to
+    FP32's smallest normal as the reference clamps. Equal to the division for every FP32 amax (checked
+    exhaustively, docs/benchmarks.md section 1) in a few integer instructions, where an IEEE division is an
+    instruction sequence with a slow-path call, made on every thread that holds the scale. `DIVISION` divides
+    as the reference does (exact scales always do); see the SwiGLU gradient launch for why one launch keeps it."""
     amax = amax_bits.to(tl.float32, bitcast=True)
-    s = tl.div_rn(amax, FMT_MAX)  # IEEE division, as torch's amax / fmt.max
-    s = tl.where(amax_bits == 0, 1.0, s)
-    s = tl.maximum(s, _FP32_TINY)
-    if POW2:
-        bits = s.to(tl.int32, bitcast=True)
-        up = (bits & 0x7F800000) + tl.where((bits & 0x007FFFFF) != 0, 1 << 23, 0)
-        s = tl.where(amax_bits < _INF_BITS, up.to(tl.float32, bitcast=True), s)  # Inf stays Inf
-    return tl.where(amax_bits > _INF_BITS, amax, s)  # amax is that NaN itself (tl.maximum dropped it)
+    if POW2 and not DIVISION:
+        fmt_bits = tl.full([], FMT_MAX, tl.float32).to(tl.int32, bitcast=True)  # folded at compile time
+        bump = ((amax_bits & 0x7FFFFF) > (fmt_bits & 0x7FFFFF)).to(tl.int32)  # ma > mf
+        e = (amax_bits >> 23) - ((fmt_bits >> 23) - 127) + bump  # biased exponent of the scale
+        s = tl.where(amax_bits == 0, 1.0, (tl.maximum(e, 1) << 23).to(tl.float32, bitcast=True))
+    else:
+        s = tl.div_rn(amax, FMT_MAX)  # IEEE division, as torch's amax / fmt.max
+        s = tl.maximum(tl.where(amax_bits == 0, 1.0, s), _FP32_TINY)
+        if POW2:  # keep the exponent, bump it when any mantissa bit is set
+            bits = s.to(tl.int32, bitcast=True)
+            s = ((bits & 0x7F800000) + tl.where((bits & 0x7FFFFF) != 0, 1 << 23, 0)).to(tl.float32, bitcast=True)
+    return tl.where(amax_bits >= _INF_BITS, amax, s)  # Inf stays Inf; NaN is that NaN itself
 
 
 @triton.jit
@@ -166,29 +181,25 @@ def _act_kernel(
     offs = offs_m[:, None] * stride_xm + offs_k[None, :]
     mask = in_m[:, None] & in_k[None, :]
     # loads stay in this body (see the module docstring on pointers); BF16 stays BF16 until the multiply
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    if PRODUCER == 3:  # du: g first (see below)
+        g_tile = tl.load(y_ptr + offs, mask=mask, other=0.0)
+    else:
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0)
     if PRODUCER == 1:  # x is g, y is u
         x = _swiglu(x, tl.load(y_ptr + offs, mask=mask, other=0.0))
     if PRODUCER == 2:  # x is dh, y is g, z is u: dh * u first, so that dh and u die before g's tile is read
         x = (x.to(tl.float32) * tl.load(z_ptr + offs, mask=mask, other=0.0).to(tl.float32)).to(tl.bfloat16)
         x = _swiglu_grad_gate(x, tl.load(y_ptr + offs, mask=mask, other=0.0))
-    if PRODUCER == 3:  # x is dh, y is g
-        x = _swiglu_grad_up(x, tl.load(y_ptr + offs, mask=mask, other=0.0))
+    if PRODUCER == 3:  # x is dh, y is g, read first so that it dies first (119 registers, not 152)
+        x = _swiglu_grad_up(tl.load(x_ptr + offs, mask=mask, other=0.0), g_tile)
     if not BF16:
         x = x.to(tl.float32)
-    # both amaxes first, so that the |x| bit patterns die before the quantized copies are made. Exact scales
-    # divide (scale and reciprocal): their scales are made only after |x| is dead, the cols' after the rows'
-    # store, which keeps the two-copy launch at 128 registers (168 in pow2's order, which stays as measured).
+    # both amaxes first, so that the |x| bit patterns die before the quantized copies are made
     ax = _abs_bits(x, BF16)
     amax_r = _amax_bits(ax, 1, BF16)  # one per (token, 128 features)
-    if POW2:
-        s_r = _scale_from_amax_bits(amax_r, ROW_MAX, POW2)
     if COLS:
         amax_c = _amax_bits(ax, 0, BF16)  # one per (feature, 128 tokens)
-        if POW2:
-            s_c = _scale_from_amax_bits(amax_c, COL_MAX, POW2)
-    if not POW2:
-        s_r = _scale_from_amax_bits(amax_r, ROW_MAX, POW2)
+    s_r = _scale_from_amax_bits(amax_r, ROW_MAX, POW2)
 
     q_r = _quant(x, _inverse(s_r, POW2)[:, None])
     tl.store(qr_ptr + offs_m[:, None] * Kp + offs_k[None, :], q_r.to(qr_ptr.dtype.element_ty),
@@ -196,8 +207,9 @@ def _act_kernel(
     tl.store(sr_ptr + pid_k * M + offs_m, s_r, mask=in_m & (pid_k * BLOCK < Kp))
 
     if COLS:  # the cols copy is stored transposed, [K, Mp]
-        if not POW2:
-            s_c = _scale_from_amax_bits(amax_c, COL_MAX, POW2)
+        # dg's cols scales divide, as the reference does (the same numbers): with the division's slow-path call
+        # in the code ptxas keeps that launch within 128 registers, without it takes 151 (one program per SM)
+        s_c = _scale_from_amax_bits(amax_c, COL_MAX, POW2, PRODUCER == 2)
         q_c = _quant(x, _inverse(s_c, POW2)[None, :]).to(qc_ptr.dtype.element_ty)
         tl.store(qc_ptr + offs_k[:, None] * Mp + offs_m[None, :], tl.trans(q_c),
                  mask=in_k[:, None] & (offs_m < Mp)[None, :])

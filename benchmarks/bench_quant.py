@@ -6,7 +6,8 @@ The activation kernel reads x [M, K] (BF16) once and writes two FP8 copies plus 
 floor is (2 + 1 + 1) bytes per element at copy bandwidth; the weight kernel reads FP32 and writes two
 FP8 copies (4 + 1 + 1). Variants: the library's kernels at 4/8/16 warps, the rows-only launch (no
 backward), the same with exact FP32 scales (`pow2_scale: false`), a strip variant that loops over several
-128-feature tiles per program (software-pipelined loads), the weight kernel multiplying by 2^-e instead
+128-feature tiles per program (software-pipelined loads), the Gluon two-copy kernel (`gluon_kernels.py`,
+the candidate to replace the Triton one's launches that write both copies), the weight kernel multiplying by 2^-e instead
 of dividing for power-of-two scales (`divide=False`, the candidate to replace the division), and `--legacy`
 (a copy of an older `_triton_quant.py`, for A/B in one process).
 """
@@ -23,7 +24,7 @@ import triton
 import triton.language as tl
 
 from _harness import projection_shapes  # a sibling module (benchmarks/ is on sys.path)
-from fp8train.fp8 import kernels as tq
+from fp8train.fp8 import gluon_kernels as gk, kernels as tq
 from fp8train import make_recipe, quantize
 from fp8train.fp8.recipe import Fp8Format
 
@@ -62,7 +63,7 @@ def _strip_kernel(x_ptr, M, K, stride_xm, qr_ptr, sr_ptr, Kp, qc_ptr, sc_ptr, Mp
 
 def strip_quantize(x2d, tiles: int, stages: int, num_warps: int = 8, pad: int = 512):
     M, K = x2d.shape
-    Kp, Mp = tq._round_up(K, pad), tq._round_up(M, pad)
+    Kp, Mp = tq.round_up(K, pad), tq.round_up(M, pad)
     qr = torch.empty(M, Kp, dtype=E4M3.dtype, device=x2d.device)
     sr = torch.empty(Kp // 128, M, dtype=torch.float32, device=x2d.device)
     qc = torch.empty(K, Mp, dtype=E4M3.dtype, device=x2d.device)
@@ -120,6 +121,10 @@ def swiglu_rows(copy_tbs: float) -> list[dict]:
     from fp8train.fp8.operands import LinearPlan
 
     plan = LinearPlan.of(make_recipe("hybrid"), True)
+    def gluon(t, others, producer):  # down's input operands for h, gate's and up's grad_output ones for dg, du
+        rows, cols = (plan.x, plan.x_t) if producer == 1 else (plan.g, plan.g_t)
+        return tq.ops_layout(gk.quantize_tiles_gluon(t, others, producer, rows.fmt, cols.fmt, True, rows.pad), t)
+
     fwd_ref = torch.compile(ops.swiglu_reference)
     bwd_ref = torch.compile(ops.swiglu_grads_reference)
     rows = []
@@ -135,6 +140,8 @@ def swiglu_rows(copy_tbs: float) -> list[dict]:
             "swiglu bwd: inductor dg, du + kernel x2": (
                 lambda: [ops.quantize_input(t, plan, True) for t in bwd_ref(dh, g, u)], None, 10 + 8),
             "swiglu bwd: fused": (lambda: ops.quantize_swiglu_grads(dh, g, u, plan, True), want_g, 14),
+            "swiglu fwd: gluon": (lambda: gluon(g, (u,), 1), want_h, 6),
+            "swiglu bwd: gluon": (lambda: (*gluon(dh, (g, u), 2), *gluon(dh, (g,), 3)), want_g, 14),
         }
         for name, (fn, want, nbytes) in variants.items():
             ok = want is None or sum(_differ(a, b) for a, b in zip(fn(), want)) <= 1e-4 * M * I * 2 * (len(want) // 4)
@@ -173,6 +180,10 @@ def main(argv=None) -> int:
     act["w8 exact rows-only"] = lambda x: tq.quantize_tiles_and_transpose(x, E4M3, E4M3, False, 512, cols=False)
     for tiles, stages in ((2, 2), (4, 2), (4, 3)):
         act[f"strip t{tiles} s{stages}"] = lambda x, t=tiles, s=stages: strip_quantize(x, t, s)
+    # the Gluon two-copy kernel (explicit layouts: the cols copy stored from the rows' registers)
+    for name, pow2, launch in (("gluon", True, {}), ("gluon w16", True, {"num_warps": 16}),
+                               ("gluon exact", False, {})):
+        act[name] = lambda x, p=pow2, kw=launch: gk.quantize_tiles_gluon(x, (), 0, E4M3, E4M3, p, 512, **kw)
     if legacy is not None:
         act["legacy"] = lambda x: legacy.quantize_tiles_and_transpose(x, E4M3, E4M3, True, 512)
     wgt = {f"w{w}": (lambda w_, w=w: (tq.quantize_blocks(w_, E4M3, True, 512, num_warps=w),

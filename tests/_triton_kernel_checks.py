@@ -249,12 +249,14 @@ def _producer_failures() -> list:
 
 
 def _resources(kernel) -> dict:
+    """Registers and stack bytes per thread, and the byte loads from shared memory (`LDS.U8`) in the code."""
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()
         out = subprocess.run([str(cuobjdump), "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
-    return {k: int(v) for k, v in re.findall(r"(REG|STACK):(\d+)", out)}
+        sass = subprocess.run([str(cuobjdump), "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    return {**{k: int(v) for k, v in re.findall(r"(REG|STACK):(\d+)", out)}, "LDS.U8": sass.count("LDS.U8")}
 
 
 def compile_sm90() -> dict:
@@ -288,6 +290,28 @@ def compile_sm90() -> dict:
                 k = triton.compile(ASTSource(tq._weight_kernel, w_sig, consts, aligned), target=target,
                                    options={"num_warps": tq._NUM_WARPS})
                 out[f"weight pow2={pow2} transpose={transpose} divide={divide}"] = _resources(k)
+    out.update(_compile_gluon(target, aligned))
+    return out
+
+
+def _compile_gluon(target, aligned) -> dict:
+    """The Gluon two-copy kernel's launches, as its launcher configures them."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from fp8train.fp8 import gluon_kernels as gk
+
+    out = {}
+    for pow2 in (True, False):
+        for name, producer, dtype in (("activation", 0, "bf16"), ("activation fp32", 0, "fp32"), ("swiglu h", 1, "bf16"),
+                                      ("swiglu dg", 2, "bf16"), ("swiglu du", 3, "bf16")):
+            types = dict(x_ptr=f"*{dtype}", M="i32", K="i32", stride_xm="i32", qr_ptr="*fp8e4nv", sr_ptr="*fp32",
+                         Kp="i32", qc_ptr="*fp8e4nv", sc_ptr="*fp32", Mp="i32", y_ptr="*bf16", z_ptr="*bf16")
+            consts = dict(ROW_MAX=448.0, COL_MAX=448.0, POW2=pow2, BF16=dtype == "bf16", PRODUCER=producer)
+            consts.update({n: None for n, none in {"y_ptr": producer == 0, "z_ptr": producer != 2}.items() if none})
+            sig = {n: types.get(n, "constexpr") if n not in consts else "constexpr" for n in gk._act2_kernel.arg_names}
+            k = triton.compile(GluonASTSource(gk._act2_kernel, sig, consts, aligned), target=target,
+                               options=gk.launch_config(producer, pow2))
+            out[f"gluon {name} pow2={pow2}"] = _resources(k)
     return out
 
 

@@ -88,6 +88,33 @@ def test_weight_kernel_bitwise(shape, pow2, divide):
     assert not q[:, K:].float().any() and not qt[:, N:].float().any() and bool((st[:, ref.scale.shape[0]:] == 1).all())
 
 
+@pytest.mark.parametrize("shape,dtype,pow2,fmt", [
+    ((8192, 3584), torch.bfloat16, True, "e4m3"), ((8192, 1536), torch.float32, True, "e4m3"),
+    ((1000, 8960), torch.bfloat16, False, "e4m3"), ((257, 384), torch.bfloat16, True, "e5m2"),
+    ((130, 200), torch.float32, False, "e4m3"),
+])
+@pytest.mark.parametrize("launch", [{}, {"num_warps": 16}, {"num_warps": 8, "maxnreg": 128}, {"num_warps": 8}])
+def test_gluon_two_copy_kernel_equals_triton(shape, dtype, pow2, fmt, launch):
+    """The Gluon two-copy kernel (fp8train/fp8/gluon_kernels.py, a candidate not yet called by the library)
+    writes the Triton kernel's bytes and scales, which the tests above pin to the reference: plain input, the
+    SwiGLU producers, nonfinite values, ragged shapes, both formats, every launch config timed."""
+    from fp8train.fp8 import gluon_kernels, kernels
+
+    fmt = Fp8Format.parse(fmt)
+    x = _activation(shape, dtype).cuda()
+    x[0, 0], x[-1, -1] = float("nan"), float("inf")
+    g, u = (_activation(shape, torch.bfloat16, seed=s).cuda() for s in (1, 2))
+    cases = [(x, (), 0)]
+    if dtype == torch.bfloat16:
+        cases += [(g, (u,), 1), (x, (g, u), 2), (x, (g,), 3)]
+    for t, others, producer in cases:
+        want = kernels._quantize_tiles(t, others, producer, fmt, fmt, pow2, 512, True, 8, False)
+        got = gluon_kernels.quantize_tiles_gluon(t, others, producer, fmt, fmt, pow2, 512, **launch)
+        for a, b, what in zip(got, want, ("rows", "rows scale", "cols", "cols scale")):
+            assert a.shape == b.shape and a.stride() == b.stride(), (producer, what)
+            assert torch.equal(_bits(a), _bits(b)), f"producer {producer}: {what} differs"
+
+
 def test_kernel_nonfinite_matches_reference():
     from fp8train.fp8 import kernels as _triton_quant
 

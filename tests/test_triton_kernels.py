@@ -6,6 +6,7 @@ in .venv/triton-cpu, and these tests skip, saying so, where it is absent. The bi
 runs on the GPU: tests/test_gpu.py.
 """
 
+import functools
 import json
 import os
 import subprocess
@@ -20,6 +21,7 @@ pytestmark = pytest.mark.skipif(not (TRITON_DIR / "triton").is_dir(),
                                 reason=f"Triton for the CPU checks is not installed in {TRITON_DIR} (make test does it)")
 
 
+@functools.cache
 def _check(mode: str) -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TRITON_DIR), str(ROOT)])}
     if mode == "interpret":
@@ -49,3 +51,14 @@ def test_kernels_compile_for_sm90_without_spills():
     for name, r in res.items():
         assert r["STACK"] == 0, f"{name} spills: {r}"
         assert r["REG"] <= 128, f"{name} uses {r['REG']} registers"
+
+
+def test_gluon_kernel_transposes_in_registers():
+    """The Gluon two-copy kernel (the candidate for the launches above that write both copies) stores its
+    cols copy from the registers that hold the rows: no byte-wise transpose through shared memory, which
+    the Triton kernel's SM90 code does (64 `LDS.U8` per thread, docs/benchmarks.md section 1)."""
+    res = _check("compile")
+    gluon = {k: v for k, v in res.items() if k.startswith("gluon")}
+    assert len(gluon) == 10 and res["activation pow2=True cols=True"]["LDS.U8"] > 0
+    for name, r in gluon.items():
+        assert r["LDS.U8"] == 0, f"{name}: {r}"

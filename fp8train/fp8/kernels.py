@@ -72,6 +72,18 @@ def _amax_bits(ax, axis: tl.constexpr, BF16: tl.constexpr):
     return m
 
 
+@triton.constexpr_function
+def _fp32_bits(x) -> int:
+    """The FP32 bit pattern of a positive normal constant with at most 24 significant bits (fmt.max), at
+    compile time (plain arithmetic: Triton rejects a function call in the code a kernel depends on)."""
+    m, e = float(x), 127
+    while m >= 2.0:
+        m, e = m / 2.0, e + 1
+    while m < 1.0:
+        m, e = m * 2.0, e - 1
+    return (e << 23) | int((m - 1.0) * (1 << 23))
+
+
 @triton.jit
 def _scale_from_amax_bits(amax_bits, FMT_MAX: tl.constexpr, POW2: tl.constexpr, DIVISION: tl.constexpr = False):
     """amax as |x| bit patterns -> FP32 dequantize scale, as `quant.compute_scale` (NaN for a NaN block).
@@ -86,9 +98,9 @@ def _scale_from_amax_bits(amax_bits, FMT_MAX: tl.constexpr, POW2: tl.constexpr, 
     as the reference does (exact scales always do); see the SwiGLU gradient launch for why one launch keeps it."""
     amax = amax_bits.to(tl.float32, bitcast=True)
     if POW2 and not DIVISION:
-        fmt_bits = tl.full([], FMT_MAX, tl.float32).to(tl.int32, bitcast=True)  # folded at compile time
-        bump = ((amax_bits & 0x7FFFFF) > (fmt_bits & 0x7FFFFF)).to(tl.int32)  # ma > mf
-        e = (amax_bits >> 23) - ((fmt_bits >> 23) - 127) + bump  # biased exponent of the scale
+        FMT_BITS: tl.constexpr = _fp32_bits(FMT_MAX)
+        bump = ((amax_bits & 0x7FFFFF) > (FMT_BITS & 0x7FFFFF)).to(tl.int32)  # ma > mf
+        e = (amax_bits >> 23) - ((FMT_BITS >> 23) - 127) + bump  # biased exponent of the scale
         s = tl.where(amax_bits == 0, 1.0, (tl.maximum(e, 1) << 23).to(tl.float32, bitcast=True))
     else:
         s = tl.div_rn(amax, FMT_MAX)  # IEEE division, as torch's amax / fmt.max

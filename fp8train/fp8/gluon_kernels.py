@@ -1,0 +1,114 @@
+"""The two-copy activation kernel in Gluon (Triton's dialect with explicit layouts): a candidate to replace
+`kernels._act_kernel`'s launches that write both FP8 copies, once the H200 has checked and timed it.
+
+The two-copy launch of `_act_kernel` stores its cols copy [K, Mp] transposed. Plain Triton lays the tile out
+with each thread holding a row segment (features contiguous), so the transposed store goes through shared
+memory one FP8 byte at a time: 64 byte loads, 40 stores and 8 barriers per thread in its SM90 code, and 2.3
+TB/s against 3.7 for the rows-only launch (docs/benchmarks.md section 1). Here the layout is chosen:
+
+    each thread holds 128 / warps consecutive tokens x 4 consecutive features of the 128 x 128 tile
+    (lanes along the features, warps along the tokens)
+
+so the rows copy is stored as 4-byte words along the features, the cols copy as 16-byte (8 warps) words
+along the tokens from the same registers (the two layouts below differ only in register order:
+`convert_layout(..., assert_trivial=True)` proves it moves no data), the per-token amax is one warp
+reduction, and only the per-feature amax crosses warps (through shared memory). Same arithmetic as
+`_act_kernel` (its helpers, the producers included), so the same bytes; tests/test_gpu.py compares the two
+bit for bit on the H200. Not yet called by the library: Gluon has no CPU interpreter, so the H200 decides.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+from . import kernels as tq
+from .quant import round_up
+
+__all__ = ["launch_config", "quantize_tiles_gluon"]
+
+_SIDE = 128
+
+
+@gluon.jit
+def _act2_kernel(
+    x_ptr, M, K, stride_xm,
+    qr_ptr, sr_ptr, Kp,        # rows copy [M, Kp], scales [Kp/128, M]
+    qc_ptr, sc_ptr, Mp,        # cols copy [K, Mp], scales [Mp/128, K]
+    y_ptr, z_ptr,              # the producer's other inputs (x's shape and strides)
+    ROW_MAX: gl.constexpr, COL_MAX: gl.constexpr, POW2: gl.constexpr, BF16: gl.constexpr, PRODUCER: gl.constexpr,
+):
+    """`_act_kernel` with COLS (PRODUCER as there: 0 x, 1 h, 2 dg, 3 du), in the layout of the docstring."""
+    BLOCK: gl.constexpr = 128
+    WARPS: gl.constexpr = gl.num_warps()
+    rows: gl.constexpr = gl.BlockedLayout([BLOCK // WARPS, 4], [1, 32], [WARPS, 1], [1, 0])  # features fastest
+    cols: gl.constexpr = gl.BlockedLayout([BLOCK // WARPS, 4], [1, 32], [WARPS, 1], [0, 1])  # tokens fastest
+    offs_m = gl.program_id(0) * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, rows))
+    offs_k = gl.program_id(1) * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(0, rows))
+    in_m = offs_m < M
+    in_k = offs_k < K
+    offs = offs_m[:, None] * stride_xm + offs_k[None, :]
+    mask = in_m[:, None] & in_k[None, :]
+    if PRODUCER == 3:  # du: g first, as `_act_kernel` reads it
+        g_tile = gl.load(y_ptr + offs, mask=mask, other=0.0)
+    else:
+        x = gl.load(x_ptr + offs, mask=mask, other=0.0)
+    if PRODUCER == 1:  # x is g, y is u
+        x = tq._swiglu(x, gl.load(y_ptr + offs, mask=mask, other=0.0))
+    if PRODUCER == 2:  # x is dh, y is g, z is u
+        x = (x.to(gl.float32) * gl.load(z_ptr + offs, mask=mask, other=0.0).to(gl.float32)).to(gl.bfloat16)
+        x = tq._swiglu_grad_gate(x, gl.load(y_ptr + offs, mask=mask, other=0.0))
+    if PRODUCER == 3:  # x is dh, y is g
+        x = tq._swiglu_grad_up(gl.load(x_ptr + offs, mask=mask, other=0.0), g_tile)
+    if not BF16:
+        x = x.to(gl.float32)
+
+    ax = tq._abs_bits(x, BF16)
+    amax_r = tq._amax_bits(ax, 1, BF16)  # per token: within a warp
+    amax_c = tq._amax_bits(ax, 0, BF16)  # per feature: across the warps
+    s_r = tq._scale_from_amax_bits(amax_r, ROW_MAX, POW2)
+    q_r = tq._quant(x, tq._inverse(s_r, POW2)[:, None]).to(qr_ptr.dtype.element_ty)
+    # [M, Kp]: 4 consecutive features per thread, a warp writes 128 bytes of one token
+    gl.store(qr_ptr + offs_m[:, None] * Kp + offs_k[None, :], q_r, mask=in_m[:, None] & (offs_k < Kp)[None, :])
+    gl.store(sr_ptr + gl.program_id(1) * M + offs_m, s_r, mask=in_m & (gl.program_id(1) * BLOCK < Kp))
+
+    s_c = tq._scale_from_amax_bits(amax_c, COL_MAX, POW2)
+    q_c = gl.convert_layout(tq._quant(x, tq._inverse(s_c, POW2)[None, :]).to(qc_ptr.dtype.element_ty), cols,
+                            assert_trivial=True)
+    offs_mc = gl.program_id(0) * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, cols))
+    offs_kc = gl.program_id(1) * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(0, cols))
+    # [K, Mp], stored from the same registers: 128 / warps consecutive tokens of a feature per thread
+    gl.store(qc_ptr + offs_kc[None, :] * Mp + offs_mc[:, None], q_c,
+             mask=(offs_kc < K)[None, :] & (offs_mc < Mp)[:, None])
+    gl.store(sc_ptr + gl.program_id(0) * K + offs_k, s_c, mask=in_k & (gl.program_id(0) * BLOCK < Mp))
+
+
+def launch_config(producer: int, pow2: bool) -> dict:
+    """Warps and register cap per launch, from the SM90 code (tests/_triton_kernel_checks.py builds the same):
+    8 warps hold 113-127 registers (two programs per SM) but for dg, whose tile takes 148 there (79 at 16
+    warps), and for exact scales' h and du, 132 uncapped (128 capped, no spills). `maxnreg` is a launch option:
+    this kernel is launched eagerly, not by inductor, which drops it from a user kernel's config."""
+    if producer == 2:
+        return {"num_warps": 16}
+    return {"num_warps": 8} if pow2 else {"num_warps": 8, "maxnreg": 128}
+
+
+def quantize_tiles_gluon(x2d: torch.Tensor, others: tuple, producer: int, row_fmt, col_fmt, pow2: bool, pad: int,
+                         **launch) -> tuple:
+    """What `kernels._quantize_tiles` returns with `cols=True` (rows data, rows scale view, cols data, cols
+    scale view), from the Gluon kernel: x2d [M, K] and `others` as there (the producer's other inputs).
+    `launch`: num_warps / maxnreg, `launch_config`'s by default."""
+    M, K = x2d.shape
+    Kp, Mp = round_up(K, pad), round_up(M, pad)
+    dev = x2d.device
+    qr = torch.empty(M, Kp, dtype=row_fmt.dtype, device=dev)
+    sr = torch.empty(Kp // _SIDE, M, dtype=torch.float32, device=dev)
+    qc = torch.empty(K, Mp, dtype=col_fmt.dtype, device=dev)
+    sc = torch.empty(Mp // _SIDE, K, dtype=torch.float32, device=dev)
+    y, z = (*others, None, None)[:2]
+    grid = (-(-max(Mp, M) // _SIDE), -(-max(Kp, K) // _SIDE))
+    _act2_kernel[grid](x2d, M, K, x2d.stride(0), qr, sr, Kp, qc, sc, Mp, y, z, ROW_MAX=row_fmt.max,
+                       COL_MAX=col_fmt.max, POW2=pow2, BF16=x2d.dtype == torch.bfloat16, PRODUCER=producer,
+                       **(launch or launch_config(producer, pow2)))
+    return qr, sr.t(), qc, sc.t()

@@ -192,6 +192,8 @@ def main(argv=None) -> int:
                                   tq.quantize_blocks(w_, E4M3, False, 512, True))
     wgt["w8 multiply"] = lambda w_: (tq.quantize_blocks(w_, E4M3, True, 512, divide=False),  # pow2, no division
                                      tq.quantize_blocks(w_, E4M3, True, 512, True, divide=False))
+    wgt["gluon W.T, w8 multiply W"] = lambda w_: (tq.quantize_blocks(w_, E4M3, True, 512, divide=False),
+                                                  gk.quantize_blocks_t_gluon(w_, E4M3, True, 512))
     if legacy is not None:
         def legacy_weight(w_):  # the old kernel returned (W, W.T, scale)
             q, qt, s = legacy.quantize_blocks_and_transpose(w_, E4M3, True, 512)

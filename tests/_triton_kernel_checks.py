@@ -295,7 +295,7 @@ def compile_sm90() -> dict:
 
 
 def _compile_gluon(target, aligned) -> dict:
-    """The Gluon two-copy kernel's launches, as its launcher configures them."""
+    """The Gluon kernels' launches (two-copy activation, W.T), as their launchers configure them."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from fp8train.fp8 import gluon_kernels as gk
@@ -312,6 +312,12 @@ def _compile_gluon(target, aligned) -> dict:
             k = triton.compile(GluonASTSource(gk._act2_kernel, sig, consts, aligned), target=target,
                                options=gk.launch_config(producer, pow2))
             out[f"gluon {name} pow2={pow2}"] = _resources(k)
+        w_sig = {n: "constexpr" for n in gk._weight_t_kernel.arg_names}
+        w_sig.update(w_ptr="*fp32", N="i32", K="i32", stride_wn="i32", q_ptr="*fp8e4nv", ld_q="i32", s_ptr="*fp32",
+                     ld_s="i32")
+        k = triton.compile(GluonASTSource(gk._weight_t_kernel, w_sig, dict(FMT_MAX=448.0, POW2=pow2, BF16=False),
+                                          aligned), target=target, options={"num_warps": 8})
+        out[f"gluon weight transpose pow2={pow2}"] = _resources(k)
     return out
 
 

@@ -115,6 +115,20 @@ def test_gluon_two_copy_kernel_equals_triton(shape, dtype, pow2, fmt, launch):
             assert torch.equal(_bits(a), _bits(b)), f"producer {producer}: {what} differs"
 
 
+@pytest.mark.parametrize("shape", [(1536, 8960), (384, 200), (3584, 3584)])
+@pytest.mark.parametrize("pow2", [True, False])
+def test_gluon_weight_t_kernel_equals_triton(shape, pow2):
+    """The Gluon W.T kernel (a candidate, fp8train/fp8/gluon_kernels.py) writes the Triton kernel's bytes and
+    scales, which test_weight_kernel_bitwise pins to the reference; FP32 and BF16 weights, ragged shapes."""
+    from fp8train.fp8 import gluon_kernels, kernels
+
+    for dtype in (torch.float32, torch.bfloat16):
+        w = _activation(shape, dtype, seed=3).cuda()
+        want = kernels.quantize_blocks(w, Fp8Format.E4M3, pow2, 512, transpose=True)
+        got = gluon_kernels.quantize_blocks_t_gluon(w, Fp8Format.E4M3, pow2, 512)
+        assert all(a.shape == b.shape and torch.equal(_bits(a), _bits(b)) for a, b in zip(got, want)), dtype
+
+
 def test_kernel_nonfinite_matches_reference():
     from fp8train.fp8 import kernels as _triton_quant
 

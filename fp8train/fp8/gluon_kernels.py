@@ -1,5 +1,6 @@
-"""The two-copy activation kernel in Gluon (Triton's dialect with explicit layouts): a candidate to replace
-`kernels._act_kernel`'s launches that write both FP8 copies, once the H200 has checked and timed it.
+"""The quantization launches that write a transposed FP8 copy, in Gluon (Triton's dialect with explicit
+layouts): candidates to replace `kernels._act_kernel`'s launches that write both copies and
+`kernels._weight_kernel`'s W.T launch, once the H200 has checked and timed them.
 
 The two-copy launch of `_act_kernel` stores its cols copy [K, Mp] transposed. Plain Triton lays the tile out
 with each thread holding a row segment (features contiguous), so the transposed store goes through shared
@@ -13,8 +14,10 @@ so the rows copy is stored as 4-byte words along the features, the cols copy as 
 along the tokens from the same registers (the two layouts below differ only in register order:
 `convert_layout(..., assert_trivial=True)` proves it moves no data), the per-token amax is one warp
 reduction, and only the per-feature amax crosses warps (through shared memory). Same arithmetic as
-`_act_kernel` (its helpers, the producers included), so the same bytes; tests/test_gpu.py compares the two
-bit for bit on the H200. Not yet called by the library: Gluon has no CPU interpreter, so the H200 decides.
+`_act_kernel` (its helpers, the producers included), so the same bytes. The W.T kernel reads a weight
+block the same way and stores its transpose from the same registers. tests/test_gpu.py compares both with
+the Triton kernels bit for bit on the H200. Not yet called by the library: Gluon has no CPU interpreter, so
+the H200 decides.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from triton.experimental.gluon import language as gl
 from . import kernels as tq
 from .quant import round_up
 
-__all__ = ["launch_config", "quantize_tiles_gluon"]
+__all__ = ["launch_config", "quantize_blocks_t_gluon", "quantize_tiles_gluon"]
 
 _SIDE = 128
 
@@ -84,6 +87,38 @@ def _act2_kernel(
     gl.store(sc_ptr + gl.program_id(0) * K + offs_k, s_c, mask=in_k & (gl.program_id(0) * BLOCK < Mp))
 
 
+@gluon.jit
+def _weight_t_kernel(
+    w_ptr, N, K, stride_wn,
+    q_ptr, ld_q,               # W.T [K, Np] (ld_q = Np)
+    s_ptr, ld_s,               # scales, row-major [ceil(K/128), Np/128]
+    FMT_MAX: gl.constexpr, POW2: gl.constexpr, BF16: gl.constexpr,
+):
+    """`kernels._weight_kernel` with TRANSPOSE (W.T, grad_input's operand b), in the layout of
+    `_act2_kernel`: block (n, k) of W read along k, stored as block (k, n) of W.T from the same registers,
+    16-byte words along n. The block's one scale: a warp reduction, then across the warps."""
+    BLOCK: gl.constexpr = 128
+    WARPS: gl.constexpr = gl.num_warps()
+    rows: gl.constexpr = gl.BlockedLayout([BLOCK // WARPS, 4], [1, 32], [WARPS, 1], [1, 0])  # k fastest
+    cols: gl.constexpr = gl.BlockedLayout([BLOCK // WARPS, 4], [1, 32], [WARPS, 1], [0, 1])  # n fastest
+    pid_n = gl.program_id(1)  # the grid runs over (blocks of K, blocks of N), as the Triton launch's
+    pid_k = gl.program_id(0)
+    offs_n = pid_n * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, rows))
+    offs_k = pid_k * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(0, rows))
+    w = gl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :],
+                mask=(offs_n < N)[:, None] & (offs_k < K)[None, :], other=0.0)
+    if not BF16:
+        w = w.to(gl.float32)
+    s = tq._scale_from_amax_bits(gl.max(tq._amax_bits(tq._abs_bits(w, BF16), 1, BF16), axis=0), FMT_MAX, POW2)
+    q = gl.convert_layout(tq._quant(w, tq._inverse(s, POW2)).to(q_ptr.dtype.element_ty), cols, assert_trivial=True)
+    offs_nc = pid_n * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, cols))
+    offs_kc = pid_k * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(0, cols))
+    gl.store(q_ptr + offs_kc[None, :] * ld_q + offs_nc[:, None], q,
+             mask=(offs_kc < K)[None, :] & (offs_nc < ld_q)[:, None])
+    if pid_k * BLOCK < K:
+        gl.store(s_ptr + pid_k * ld_s + pid_n, s)
+
+
 def launch_config(producer: int, pow2: bool) -> dict:
     """Warps and register cap per launch, from the SM90 code (tests/_triton_kernel_checks.py builds the same):
     8 warps hold 113-127 registers (two programs per SM) but for dg, whose tile takes 148 there (79 at 16
@@ -112,3 +147,15 @@ def quantize_tiles_gluon(x2d: torch.Tensor, others: tuple, producer: int, row_fm
                        COL_MAX=col_fmt.max, POW2=pow2, BF16=x2d.dtype == torch.bfloat16, PRODUCER=producer,
                        **(launch or launch_config(producer, pow2)))
     return qr, sr.t(), qc, sc.t()
+
+
+def quantize_blocks_t_gluon(w: torch.Tensor, fmt, pow2: bool, pad: int, num_warps: int = 8) -> tuple:
+    """What `kernels.quantize_blocks(w, fmt, pow2, pad, transpose=True)` returns (W.T's data [K, Np] and
+    scales [ceil(K/128), Np/128], row-major), from the Gluon kernel."""
+    N, K = w.shape
+    cols_p = round_up(N, pad)
+    q = torch.empty(K, cols_p, dtype=fmt.dtype, device=w.device)
+    s = torch.empty(-(-K // _SIDE), -(-cols_p // _SIDE), dtype=torch.float32, device=w.device)
+    _weight_t_kernel[(s.shape[0], s.shape[1])](w, N, K, w.stride(0), q, cols_p, s, s.shape[1], FMT_MAX=fmt.max,
+                                               POW2=pow2, BF16=w.dtype == torch.bfloat16, num_warps=num_warps)
+    return q, s

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from _harness import projection_shapes  # a sibling module (benchmarks/ is on sys.path)
-from fp8train.fp8 import gluon_kernels as gk, kernels as tq
+from fp8train.fp8 import kernels as tq
 from fp8train import make_recipe, quantize
 from fp8train.fp8.recipe import Fp8Format
 
@@ -123,7 +123,8 @@ def swiglu_rows(copy_tbs: float) -> list[dict]:
     plan = LinearPlan.of(make_recipe("hybrid"), True)
     def gluon(t, others, producer):  # down's input operands for h, gate's and up's grad_output ones for dg, du
         rows, cols = (plan.x, plan.x_t) if producer == 1 else (plan.g, plan.g_t)
-        return tq.ops_layout(gk.quantize_tiles_gluon(t, others, producer, rows.fmt, cols.fmt, True, rows.pad), t)
+        return tq.ops_layout(tq._quantize_tiles(t, others, producer, rows.fmt, cols.fmt, True, rows.pad, True, None,
+                                                False, gluon=True), t)
 
     fwd_ref = torch.compile(ops.swiglu_reference)
     bwd_ref = torch.compile(ops.swiglu_grads_reference)
@@ -181,9 +182,9 @@ def main(argv=None) -> int:
     for tiles, stages in ((2, 2), (4, 2), (4, 3)):
         act[f"strip t{tiles} s{stages}"] = lambda x, t=tiles, s=stages: strip_quantize(x, t, s)
     # the Gluon two-copy kernel (explicit layouts: the cols copy stored from the rows' registers)
-    for name, pow2, launch in (("gluon", True, {}), ("gluon w16", True, {"num_warps": 16}),
-                               ("gluon exact", False, {})):
-        act[name] = lambda x, p=pow2, kw=launch: gk.quantize_tiles_gluon(x, (), 0, E4M3, E4M3, p, 512, **kw)
+    for name, pow2, warps in (("gluon", True, None), ("gluon w16", True, 16), ("gluon exact", False, None)):
+        act[name] = lambda x, p=pow2, w=warps: tq.quantize_tiles_and_transpose(x, E4M3, E4M3, p, 512, num_warps=w,
+                                                                               gluon=True)
     if legacy is not None:
         act["legacy"] = lambda x: legacy.quantize_tiles_and_transpose(x, E4M3, E4M3, True, 512)
     wgt = {f"w{w}": (lambda w_, w=w: (tq.quantize_blocks(w_, E4M3, True, 512, num_warps=w),
@@ -193,7 +194,7 @@ def main(argv=None) -> int:
     wgt["w8 multiply"] = lambda w_: (tq.quantize_blocks(w_, E4M3, True, 512, divide=False),  # pow2, no division
                                      tq.quantize_blocks(w_, E4M3, True, 512, True, divide=False))
     wgt["gluon W.T, w8 multiply W"] = lambda w_: (tq.quantize_blocks(w_, E4M3, True, 512, divide=False),
-                                                  gk.quantize_blocks_t_gluon(w_, E4M3, True, 512))
+                                                  tq.quantize_blocks(w_, E4M3, True, 512, True, gluon=True))
     if legacy is not None:
         def legacy_weight(w_):  # the old kernel returned (W, W.T, scale)
             q, qt, s = legacy.quantize_blocks_and_transpose(w_, E4M3, True, 512)

@@ -93,12 +93,12 @@ def test_weight_kernel_bitwise(shape, pow2, divide):
     ((1000, 8960), torch.bfloat16, False, "e4m3"), ((257, 384), torch.bfloat16, True, "e5m2"),
     ((130, 200), torch.float32, False, "e4m3"),
 ])
-@pytest.mark.parametrize("launch", [{}, {"num_warps": 16}, {"num_warps": 8, "maxnreg": 128}, {"num_warps": 8}])
-def test_gluon_two_copy_kernel_equals_triton(shape, dtype, pow2, fmt, launch):
-    """The Gluon two-copy kernel (fp8train/fp8/gluon_kernels.py, a candidate not yet called by the library)
-    writes the Triton kernel's bytes and scales, which the tests above pin to the reference: plain input, the
-    SwiGLU producers, nonfinite values, ragged shapes, both formats, every launch config timed."""
-    from fp8train.fp8 import gluon_kernels, kernels
+@pytest.mark.parametrize("num_warps", [None, 8, 16])
+def test_gluon_two_copy_kernel_equals_triton(shape, dtype, pow2, fmt, num_warps):
+    """The Gluon two-copy kernel (fp8train/fp8/gluon_kernels.py, the recipe's `gluon_kernels`) writes the
+    Triton kernel's bytes and scales, which the tests above pin to the reference: plain input, the SwiGLU
+    producers, nonfinite values, ragged shapes, both formats, its launch configurations (None: its own)."""
+    from fp8train.fp8 import kernels
 
     fmt = Fp8Format.parse(fmt)
     x = _activation(shape, dtype).cuda()
@@ -108,8 +108,8 @@ def test_gluon_two_copy_kernel_equals_triton(shape, dtype, pow2, fmt, launch):
     if dtype == torch.bfloat16:
         cases += [(g, (u,), 1), (x, (g, u), 2), (x, (g,), 3)]
     for t, others, producer in cases:
-        want = kernels._quantize_tiles(t, others, producer, fmt, fmt, pow2, 512, True, 8, False)
-        got = gluon_kernels.quantize_tiles_gluon(t, others, producer, fmt, fmt, pow2, 512, **launch)
+        want = kernels._quantize_tiles(t, others, producer, fmt, fmt, pow2, 512, True, None, False)
+        got = kernels._quantize_tiles(t, others, producer, fmt, fmt, pow2, 512, True, num_warps, False, gluon=True)
         for a, b, what in zip(got, want, ("rows", "rows scale", "cols", "cols scale")):
             assert a.shape == b.shape and a.stride() == b.stride(), (producer, what)
             assert torch.equal(_bits(a), _bits(b)), f"producer {producer}: {what} differs"
@@ -120,12 +120,12 @@ def test_gluon_two_copy_kernel_equals_triton(shape, dtype, pow2, fmt, launch):
 def test_gluon_weight_t_kernel_equals_triton(shape, pow2):
     """The Gluon W.T kernel (a candidate, fp8train/fp8/gluon_kernels.py) writes the Triton kernel's bytes and
     scales, which test_weight_kernel_bitwise pins to the reference; FP32 and BF16 weights, ragged shapes."""
-    from fp8train.fp8 import gluon_kernels, kernels
+    from fp8train.fp8 import kernels
 
     for dtype in (torch.float32, torch.bfloat16):
         w = _activation(shape, dtype, seed=3).cuda()
         want = kernels.quantize_blocks(w, Fp8Format.E4M3, pow2, 512, transpose=True)
-        got = gluon_kernels.quantize_blocks_t_gluon(w, Fp8Format.E4M3, pow2, 512)
+        got = kernels.quantize_blocks(w, Fp8Format.E4M3, pow2, 512, transpose=True, gluon=True)
         assert all(a.shape == b.shape and torch.equal(_bits(a), _bits(b)) for a, b in zip(got, want)), dtype
 
 
@@ -365,6 +365,20 @@ def _run_qwen2_mlp(x, recipe, compiled):
     y.float().pow(2).mean().backward()
     mlp = wrapper.mlp
     return [y.detach().float(), xr.grad] + [p.weight.grad for p in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)]
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_gluon_knob_end_to_end_on_cuda(compiled):
+    """`hybrid+gluon` (the Gluon kernels write the transposed copies) gives a converted Qwen2 MLP the same
+    output and gradients as `hybrid`, bit for bit, eagerly and compiled (inductor launching the Gluon kernels
+    from its own code, as it does the Triton ones)."""
+    from fp8train.fp8.recipe import parse_recipe
+
+    x = torch.randn(2, 512, 1536, device="cuda").bfloat16()
+    plain = _run_qwen2_mlp(x, make_recipe("hybrid"), compiled)
+    gluon = _run_qwen2_mlp(x, parse_recipe("hybrid+gluon"), compiled)
+    for a, b, what in zip(gluon, plain, ("output", "x.grad", "gate dW", "up dW", "down dW")):
+        assert torch.equal(a, b), what
 
 
 def test_swiglu_inputs_fp8_on_cuda():

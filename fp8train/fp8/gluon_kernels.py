@@ -16,22 +16,20 @@ along the tokens from the same registers (the two layouts below differ only in r
 reduction, and only the per-feature amax crosses warps (through shared memory). Same arithmetic as
 `_act_kernel` (its helpers, the producers included), so the same bytes. The W.T kernel reads a weight
 block the same way and stores its transpose from the same registers. tests/test_gpu.py compares both with
-the Triton kernels bit for bit on the H200. Not yet called by the library: Gluon has no CPU interpreter, so
-the H200 decides.
+the Triton kernels bit for bit on the H200. `kernels.quantize_tiles_and_transpose`, `quantize_swiglu(_grads)`
+and `quantize_blocks` launch them with `gluon=True`: the recipe knob `gluon_kernels` (`hybrid+gluon`), off
+until the H200 has timed it (Gluon has no CPU interpreter).
 """
 
 from __future__ import annotations
 
-import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from . import kernels as tq
-from .quant import round_up
 
-__all__ = ["launch_config", "quantize_blocks_t_gluon", "quantize_tiles_gluon"]
+__all__ = ["launch_config"]
 
-_SIDE = 128
 
 
 @gluon.jit
@@ -101,8 +99,8 @@ def _weight_t_kernel(
     WARPS: gl.constexpr = gl.num_warps()
     rows: gl.constexpr = gl.BlockedLayout([BLOCK // WARPS, 4], [1, 32], [WARPS, 1], [1, 0])  # k fastest
     cols: gl.constexpr = gl.BlockedLayout([BLOCK // WARPS, 4], [1, 32], [WARPS, 1], [0, 1])  # n fastest
-    pid_n = gl.program_id(1)  # the grid runs over (blocks of K, blocks of N), as the Triton launch's
-    pid_k = gl.program_id(0)
+    pid_n = gl.program_id(0)  # the grid runs over (blocks of Np, blocks of K), as for the Triton kernel
+    pid_k = gl.program_id(1)
     offs_n = pid_n * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, rows))
     offs_k = pid_k * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(0, rows))
     w = gl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :],
@@ -119,43 +117,11 @@ def _weight_t_kernel(
         gl.store(s_ptr + pid_k * ld_s + pid_n, s)
 
 
-def launch_config(producer: int, pow2: bool) -> dict:
-    """Warps and register cap per launch, from the SM90 code (tests/_triton_kernel_checks.py builds the same):
-    8 warps hold 113-127 registers (two programs per SM) but for dg, whose tile takes 148 there (79 at 16
-    warps), and for exact scales' h and du, 132 uncapped (128 capped, no spills). `maxnreg` is a launch option:
-    this kernel is launched eagerly, not by inductor, which drops it from a user kernel's config."""
+def launch_config(producer: int, pow2: bool, traced: bool = False) -> dict:
+    """Warps and register cap of a two-copy launch, from the SM90 code (tests/_triton_kernel_checks.py builds
+    the same): 8 warps hold 113-127 registers (two programs per SM) but for dg, whose tile takes 148 there
+    (79 at 16 warps), and for exact scales' h and du, 132 uncapped (128 capped by `maxnreg`, no spills). A
+    launch traced for inductor (`traced`) goes without the cap: inductor drops it from a user kernel's config."""
     if producer == 2:
         return {"num_warps": 16}
-    return {"num_warps": 8} if pow2 else {"num_warps": 8, "maxnreg": 128}
-
-
-def quantize_tiles_gluon(x2d: torch.Tensor, others: tuple, producer: int, row_fmt, col_fmt, pow2: bool, pad: int,
-                         **launch) -> tuple:
-    """What `kernels._quantize_tiles` returns with `cols=True` (rows data, rows scale view, cols data, cols
-    scale view), from the Gluon kernel: x2d [M, K] and `others` as there (the producer's other inputs).
-    `launch`: num_warps / maxnreg, `launch_config`'s by default."""
-    M, K = x2d.shape
-    Kp, Mp = round_up(K, pad), round_up(M, pad)
-    dev = x2d.device
-    qr = torch.empty(M, Kp, dtype=row_fmt.dtype, device=dev)
-    sr = torch.empty(Kp // _SIDE, M, dtype=torch.float32, device=dev)
-    qc = torch.empty(K, Mp, dtype=col_fmt.dtype, device=dev)
-    sc = torch.empty(Mp // _SIDE, K, dtype=torch.float32, device=dev)
-    y, z = (*others, None, None)[:2]
-    grid = (-(-max(Mp, M) // _SIDE), -(-max(Kp, K) // _SIDE))
-    _act2_kernel[grid](x2d, M, K, x2d.stride(0), qr, sr, Kp, qc, sc, Mp, y, z, ROW_MAX=row_fmt.max,
-                       COL_MAX=col_fmt.max, POW2=pow2, BF16=x2d.dtype == torch.bfloat16, PRODUCER=producer,
-                       **(launch or launch_config(producer, pow2)))
-    return qr, sr.t(), qc, sc.t()
-
-
-def quantize_blocks_t_gluon(w: torch.Tensor, fmt, pow2: bool, pad: int, num_warps: int = 8) -> tuple:
-    """What `kernels.quantize_blocks(w, fmt, pow2, pad, transpose=True)` returns (W.T's data [K, Np] and
-    scales [ceil(K/128), Np/128], row-major), from the Gluon kernel."""
-    N, K = w.shape
-    cols_p = round_up(N, pad)
-    q = torch.empty(K, cols_p, dtype=fmt.dtype, device=w.device)
-    s = torch.empty(-(-K // _SIDE), -(-cols_p // _SIDE), dtype=torch.float32, device=w.device)
-    _weight_t_kernel[(s.shape[0], s.shape[1])](w, N, K, w.stride(0), q, cols_p, s, s.shape[1], FMT_MAX=fmt.max,
-                                               POW2=pow2, BF16=w.dtype == torch.bfloat16, num_warps=num_warps)
-    return q, s
+    return {"num_warps": 8} if pow2 or traced else {"num_warps": 8, "maxnreg": 128}

@@ -285,9 +285,10 @@ def ops_layout(out, like: torch.Tensor) -> tuple:
 
 
 def _quantize_tiles(x2d, others, producer: int, row_fmt, col_fmt, pow2: bool, pad: int, cols: bool,
-                    num_warps: int, traced: bool) -> tuple:
+                    num_warps: int | None, traced: bool, gluon: bool = False) -> tuple:
     """One launch of `_act_kernel` over x2d [M, K] (and `others`, the producer's other inputs, of its shape):
-    (rows data, rows scale view, cols data or None, cols scale view or None)."""
+    (rows data, rows scale view, cols data or None, cols scale view or None). `gluon`: a launch that writes
+    both copies runs `gluon_kernels._act2_kernel` instead (the same bytes; a candidate, see there)."""
     M, K = x2d.shape
     Kp, Mp = round_up(K, pad), round_up(M, pad)
     dev = x2d.device
@@ -304,47 +305,54 @@ def _quantize_tiles(x2d, others, producer: int, row_fmt, col_fmt, pow2: bool, pa
     # torch.compile inductor then copies it before the launch (0.65 ms per Qwen2.5-7B layer at 8192 tokens
     # on the H200 when x2d stood in for y and z; docs/benchmarks.md)
     y, z = (*others, None, None)[:2]
-    _launcher(_act_kernel, traced)[grid](
+    if gluon and cols:
+        from . import gluon_kernels  # Triton's Gluon dialect, only when asked for
+        kernel = gluon_kernels._act2_kernel
+        config = gluon_kernels.launch_config(producer, pow2, traced) if num_warps is None else {"num_warps": num_warps}
+    else:
+        kernel, config = _act_kernel, dict(COLS=cols, BLOCK=_SIDE, num_warps=num_warps or _NUM_WARPS)
+    _launcher(kernel, traced)[grid](
         x2d, M, K, x2d.stride(0), qr, sr, Kp, qc, sc, Mp, y, z, ROW_MAX=row_fmt.max, COL_MAX=col_fmt.max,
-        POW2=pow2, COLS=cols, BF16=x2d.dtype == torch.bfloat16, BLOCK=_SIDE, PRODUCER=producer, num_warps=num_warps,
+        POW2=pow2, BF16=x2d.dtype == torch.bfloat16, PRODUCER=producer, **config,
     )
     return (qr, sr.t(), qc, sc.t()) if cols else (qr, sr.t(), None, None)
 
 
 def quantize_tiles_and_transpose(x2d, row_fmt, col_fmt, pow2: bool, pad: int, cols: bool = True,
-                                 num_warps: int = _NUM_WARPS, _traced: bool = False):
+                                 num_warps: int | None = None, _traced: bool = False, gluon: bool = False):
     """x2d [M, K] -> (rows data [M, Kp], rows scale view (M, Kp/128) with strides (1, M),
     cols data [K, Mp], cols scale view (K, Mp/128) with strides (1, K)); Kp, Mp = round_up(., pad).
     `cols=False` skips the transposed copy (no backward will need it) and returns None for it.
     A format is anything with `.dtype` (of the copy) and `.max` (an FP32 dtype gives the values before
-    the FP8 conversion: the CPU interpreter checks use it)."""
-    return _quantize_tiles(x2d, (), 0, row_fmt, col_fmt, pow2, pad, cols, num_warps, _traced)
+    the FP8 conversion: the CPU interpreter checks use it). `gluon`: the Gluon kernel writes both copies."""
+    return _quantize_tiles(x2d, (), 0, row_fmt, col_fmt, pow2, pad, cols, num_warps, _traced, gluon)
 
 
-def quantize_swiglu(g, u, row_fmt, col_fmt, pow2: bool, pad: int, cols: bool = True, num_warps: int = _NUM_WARPS,
-                    _traced: bool = False):
+def quantize_swiglu(g, u, row_fmt, col_fmt, pow2: bool, pad: int, cols: bool = True, num_warps: int | None = None,
+                    _traced: bool = False, gluon: bool = False):
     """The tiles of h = silu(g) * u from BF16 g, u [M, I], without h ever being written: (rows data, rows
     scale [Ip/128, M], cols data, cols scale [Mp/128, I]), the scales as buffers in the ops' layout (not the
     views `quantize_tiles_and_transpose` returns); no cols: empty tensors."""
-    return ops_layout(_quantize_tiles(g, (u,), 1, row_fmt, col_fmt, pow2, pad, cols, num_warps, _traced), g)
+    return ops_layout(_quantize_tiles(g, (u,), 1, row_fmt, col_fmt, pow2, pad, cols, num_warps, _traced, gluon), g)
 
 
 def quantize_swiglu_grads(dh, g, u, row_fmt, col_fmt, pow2: bool, pad: int, cols: bool = True,
-                          num_warps: int = _NUM_WARPS, _traced: bool = False):
+                          num_warps: int | None = None, _traced: bool = False, gluon: bool = False):
     """The tiles of the SwiGLU's input gradients from BF16 dh, g, u [M, I]: dg's four tensors, then du's (as
     `quantize_swiglu` returns them), in two launches."""
-    dg = _quantize_tiles(dh, (g, u), 2, row_fmt, col_fmt, pow2, pad, cols, num_warps, _traced)
-    du = _quantize_tiles(dh, (g,), 3, row_fmt, col_fmt, pow2, pad, cols, num_warps, _traced)
+    dg = _quantize_tiles(dh, (g, u), 2, row_fmt, col_fmt, pow2, pad, cols, num_warps, _traced, gluon)
+    du = _quantize_tiles(dh, (g,), 3, row_fmt, col_fmt, pow2, pad, cols, num_warps, _traced, gluon)
     return (*ops_layout(dg, dh), *ops_layout(du, dh))
 
 
 def quantize_blocks(w, fmt, pow2: bool, pad: int, transpose: bool = False, num_warps: int = _NUM_WARPS,
-                    _traced: bool = False, divide: bool = True):
+                    _traced: bool = False, divide: bool = True, gluon: bool = False):
     """w [N, K] -> W (data [N, Kp], scale [ceil(N/128), Kp/128]) or, with `transpose`, W.T (data [K, Np],
     scale [ceil(K/128), Np/128]); Kp, Np = round_up(., pad); scales row-major. The transposed copy is the
     quantization of w.T itself: a 128x128 block's scale does not depend on which way it is read.
     `divide=False`: power-of-two scales multiply by 2^-e instead of dividing (the same numbers; the
-    experiment the kernel's comment describes, not yet what the library runs)."""
+    experiment the kernel's comment describes, not yet what the library runs). `gluon`: W.T comes from
+    `gluon_kernels._weight_t_kernel` (the same bytes; a candidate, see there)."""
     N, K = w.shape
     rows, cols = (K, N) if transpose else (N, K)  # of the operand
     cols_p = round_up(cols, pad)
@@ -353,11 +361,13 @@ def quantize_blocks(w, fmt, pow2: bool, pad: int, transpose: bool = False, num_w
     row_blocks, col_blocks = s.shape
     grid = (col_blocks, row_blocks) if transpose else (row_blocks, col_blocks)  # over (blocks of N, blocks of K)
     ld_q, ld_s = cols_p, col_blocks
-    _launcher(_weight_kernel, _traced)[grid](
-        w, N, K, w.stride(0), q, ld_q, s, ld_s,
-        FMT_MAX=fmt.max, POW2=pow2, BF16=w.dtype == torch.bfloat16, TRANSPOSE=transpose, BLOCK=_SIDE,
-        DIVIDE=divide, num_warps=num_warps,
-    )
+    if gluon and transpose:
+        from . import gluon_kernels  # Triton's Gluon dialect, only when asked for
+        kernel, config = gluon_kernels._weight_t_kernel, {}
+    else:
+        kernel, config = _weight_kernel, dict(TRANSPOSE=transpose, BLOCK=_SIDE, DIVIDE=divide)
+    _launcher(kernel, _traced)[grid](w, N, K, w.stride(0), q, ld_q, s, ld_s, FMT_MAX=fmt.max, POW2=pow2,
+                                     BF16=w.dtype == torch.bfloat16, num_warps=num_warps, **config)
     return q, s
 
 
@@ -370,25 +380,27 @@ _FORMATS = {f.dtype: f for f in Fp8Format}
 
 @torch.library.triton_op("fp8train::quantize_tiles", mutates_args=())
 def quantize_tiles_op(x2d: torch.Tensor, row_dtype: torch.dtype, col_dtype: torch.dtype, pow2: bool, pad: int,
-                      cols: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                      cols: bool, gluon: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return ops_layout(quantize_tiles_and_transpose(x2d, _FORMATS[row_dtype], _FORMATS[col_dtype], pow2, pad, cols,
-                                                   _traced=True), x2d)
+                                                   _traced=True, gluon=gluon), x2d)
 
 
 @torch.library.triton_op("fp8train::quantize_swiglu_tiles", mutates_args=())
 def quantize_swiglu_op(g: torch.Tensor, u: torch.Tensor, row_dtype: torch.dtype, col_dtype: torch.dtype, pow2: bool,
-                       pad: int, cols: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return quantize_swiglu(g, u, _FORMATS[row_dtype], _FORMATS[col_dtype], pow2, pad, cols, _traced=True)
+                       pad: int, cols: bool,
+                       gluon: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return quantize_swiglu(g, u, _FORMATS[row_dtype], _FORMATS[col_dtype], pow2, pad, cols, _traced=True, gluon=gluon)
 
 
 @torch.library.triton_op("fp8train::quantize_swiglu_grad_tiles", mutates_args=())
 def quantize_swiglu_grads_op(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, row_dtype: torch.dtype,
-                             col_dtype: torch.dtype, pow2: bool, pad: int, cols: bool) -> tuple[
+                             col_dtype: torch.dtype, pow2: bool, pad: int, cols: bool, gluon: bool) -> tuple[
         torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return quantize_swiglu_grads(dh, g, u, _FORMATS[row_dtype], _FORMATS[col_dtype], pow2, pad, cols, _traced=True)
+    return quantize_swiglu_grads(dh, g, u, _FORMATS[row_dtype], _FORMATS[col_dtype], pow2, pad, cols, _traced=True,
+                                 gluon=gluon)
 
 
 @torch.library.triton_op("fp8train::quantize_blocks", mutates_args=())
-def quantize_blocks_op(w: torch.Tensor, dtype: torch.dtype, pow2: bool, pad: int,
-                       transpose: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    return quantize_blocks(w, _FORMATS[dtype], pow2, pad, transpose, _traced=True)
+def quantize_blocks_op(w: torch.Tensor, dtype: torch.dtype, pow2: bool, pad: int, transpose: bool,
+                       gluon: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return quantize_blocks(w, _FORMATS[dtype], pow2, pad, transpose, _traced=True, gluon=gluon)

@@ -111,6 +111,7 @@ def interpret() -> dict:
                 if not ok:
                     failures.append(f"weight {name} pow2={pow2} divide={divide}")
     failures += _scale_failures()
+    failures += _gluon_failures()
     failures += _producer_failures()
     failures += _launch_argument_failures()
     return {"failures": failures}
@@ -147,6 +148,59 @@ def _scale_failures() -> list:
                 i = int(bad[0])
                 failures.append(f"scale {f} pow2={pow2} division={division}: {bad.numel()} amax values differ, "
                                 f"first {hex(int(bits[i]))}: {got[i].item()!r} vs {want[i].item()!r}")
+    return failures
+
+
+def _without_layouts(kernel):
+    """A Gluon kernel's own source with its layouts dropped (the `rows` / `cols` BlockedLayouts, `layout=`
+    arguments, the register-only `convert_layout`), as a @triton.jit kernel the interpreter runs: its index,
+    mask and arithmetic code as written (the layouts themselves are checked where they are compiled)."""
+    import inspect
+    import textwrap
+
+    src = textwrap.dedent(inspect.getsource(kernel.fn)).replace("@gluon.jit", "@triton.jit")
+    src = re.sub(r"\n\s*(rows|cols): gl\.constexpr = gl\.BlockedLayout\([^\n]*", "", src)
+    src = re.sub(r"\n\s*WARPS: gl\.constexpr = gl\.num_warps\(\)", "", src)
+    src = re.sub(r", layout=gl\.SliceLayout\([01], (rows|cols)\)", "", src)
+    src = re.sub(r"gl\.convert_layout\((.*), cols,\s*assert_trivial=True\)", r"\1", src, flags=re.S)
+    assert "Layout" not in src and "layout=" not in src, src  # every layout dropped
+    namespace = {"triton": triton, "tl": tl, "tq": tq}
+    exec(compile(src.replace("gl.", "tl."), f"<{kernel.fn.__name__} without layouts>", "exec"), namespace)
+    return namespace[kernel.fn.__name__]
+
+
+def _gluon_failures() -> list:
+    """The Gluon kernels (no interpreter of their own) without their layouts, launched as the library launches
+    them, against the Triton kernels: every producer, BF16 and FP32 input, pow2 and exact scales, ragged shapes,
+    the two-copy tiles and W.T. (On the H200 tests/test_gpu.py compares the compiled kernels bit for bit.)"""
+    from fp8train.fp8 import gluon_kernels as gk
+
+    launches = [(k, _without_layouts(k)) for k in (gk._act2_kernel, gk._weight_t_kernel)]  # (a JIT function's
+    real = tq._launcher                                                                         # hash compiles it)
+    fmt = Fp8Format.E4M3
+    fake = SimpleNamespace(dtype=torch.float32, max=fmt.max)
+    g = torch.Generator().manual_seed(3)
+    failures = []
+    tq._launcher = lambda kernel, traced: next((plain for k, plain in launches if k is kernel), kernel)
+    try:
+        for M, K in ((257, 384), (130, 200)):
+            for dtype in (torch.bfloat16, torch.float32):
+                x = (torch.randn(M, K, generator=g) * torch.logspace(-3, 3, K)).to(dtype)
+                x[0, 0], x[-1, -1] = float("nan"), float("inf")
+                g1, u = (torch.randn(M, K, generator=g).bfloat16() for _ in range(2))
+                cases = [(x, (), 0)] + ([(g1, (u,), 1), (x, (g1, u), 2), (x, (g1,), 3)] if dtype == torch.bfloat16 else [])
+                for pow2 in (True, False):
+                    for t, others, producer in cases:
+                        args = (t, others, producer, fake, fake, pow2, 512, True, None, False)
+                        want, got = tq._quantize_tiles(*args), tq._quantize_tiles(*args, gluon=True)
+                        if not all(torch.equal(_bits(a), _bits(b)) for a, b in zip(got, want)):
+                            failures.append(f"gluon tiles {M}x{K} {dtype} pow2={pow2} producer={producer}")
+                    want = tq.quantize_blocks(x, fake, pow2, 512, transpose=True)
+                    got = tq.quantize_blocks(x, fake, pow2, 512, transpose=True, gluon=True)
+                    if not all(torch.equal(_bits(a), _bits(b)) for a, b in zip(got, want)):
+                        failures.append(f"gluon W.T {M}x{K} {dtype} pow2={pow2}")
+    finally:
+        tq._launcher = real
     return failures
 
 

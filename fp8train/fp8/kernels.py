@@ -72,18 +72,6 @@ def _amax_bits(ax, axis: tl.constexpr, BF16: tl.constexpr):
     return m
 
 
-@triton.constexpr_function
-def _fp32_bits(x) -> int:
-    """The FP32 bit pattern of a positive normal constant with at most 24 significant bits (fmt.max), at
-    compile time (plain arithmetic: Triton rejects a function call in the code a kernel depends on)."""
-    m, e = float(x), 127
-    while m >= 2.0:
-        m, e = m / 2.0, e + 1
-    while m < 1.0:
-        m, e = m * 2.0, e - 1
-    return (e << 23) | int((m - 1.0) * (1 << 23))
-
-
 @triton.jit
 def _scale_from_amax_bits(amax_bits, FMT_MAX: tl.constexpr, POW2: tl.constexpr, DIVISION: tl.constexpr = False):
     """amax as |x| bit patterns -> FP32 dequantize scale, as `quant.compute_scale` (NaN for a NaN block).
@@ -98,7 +86,10 @@ def _scale_from_amax_bits(amax_bits, FMT_MAX: tl.constexpr, POW2: tl.constexpr, 
     as the reference does (exact scales always do); see the SwiGLU gradient launch for why one launch keeps it."""
     amax = amax_bits.to(tl.float32, bitcast=True)
     if POW2 and not DIVISION:
-        FMT_BITS: tl.constexpr = _fp32_bits(FMT_MAX)
+        # fmt.max's FP32 bit pattern, a literal per format (no helper call: inductor copies a user kernel's
+        # source and its @triton.jit dependencies into its generated code)
+        tl.static_assert((FMT_MAX == 448.0) or (FMT_MAX == 57344.0), "an FP8 format's max: E4M3's or E5M2's")
+        FMT_BITS: tl.constexpr = 0x43E00000 if FMT_MAX == 448.0 else 0x47600000
         bump = ((amax_bits & 0x7FFFFF) > (FMT_BITS & 0x7FFFFF)).to(tl.int32)  # ma > mf
         e = (amax_bits >> 23) - ((FMT_BITS >> 23) - 127) + bump  # biased exponent of the scale
         s = tl.where(amax_bits == 0, 1.0, (tl.maximum(e, 1) << 23).to(tl.float32, bitcast=True))

@@ -203,6 +203,18 @@ def _gluon_failures() -> list:
                         failures.append(f"gluon W.T {M}x{K} {dtype} pow2={pow2}")
     finally:
         tq._launcher = real
+    # under torch.compile the Gluon launches are opaque ops: their fake outputs are the real launches' layout
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    x = torch.randn(257, 384).bfloat16()
+    real_out = (*tq.ops_layout(tq._quantize_tiles(x, (x,), 1, fmt, fmt, True, 512, True, None, False), x),
+                *tq.quantize_blocks(x, fmt, True, 512, transpose=True))
+    with FakeTensorMode() as mode:
+        fx = mode.from_tensor(x)
+        fake_out = (*tq._gluon_tiles_op(fx, [fx], 1, fmt.dtype, fmt.dtype, True, 512),
+                    *tq._gluon_blocks_t_op(fx, fmt.dtype, True, 512))
+    if [(t.shape, t.stride(), t.dtype) for t in fake_out] != [(t.shape, t.stride(), t.dtype) for t in real_out]:
+        failures.append("gluon ops: fake outputs differ from the launches' layout")
     return failures
 
 

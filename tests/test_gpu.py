@@ -370,8 +370,7 @@ def _run_qwen2_mlp(x, recipe, compiled):
 @pytest.mark.parametrize("compiled", [False, True])
 def test_gluon_knob_end_to_end_on_cuda(compiled):
     """`hybrid+gluon` (the Gluon kernels write the transposed copies) gives a converted Qwen2 MLP the same
-    output and gradients as `hybrid`, bit for bit, eagerly and compiled (inductor launching the Gluon kernels
-    from its own code, as it does the Triton ones)."""
+    output and gradients as `hybrid`, bit for bit, eagerly and compiled (the Gluon launches opaque ops there)."""
     from fp8train.fp8.recipe import parse_recipe
 
     x = torch.randn(2, 512, 1536, device="cuda").bfloat16()

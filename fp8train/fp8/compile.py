@@ -20,7 +20,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 __all__ = ["ShareQuantization"]
 
-_MODULES = ("fp8train.fp8.kernels", "fp8train.fp8.gluon_kernels")
+_MODULE = "fp8train.fp8.kernels"
 
 
 def _identity(kernel) -> tuple:
@@ -74,7 +74,7 @@ def _key(node: torch.fx.Node, rep: dict):
 
     kw = node.kwargs
     fn, configs = _identity(kernel_side_table.get_kernel(kw["kernel_idx"]))
-    if getattr(fn, "__module__", None) not in _MODULES:
+    if getattr(fn, "__module__", None) != _MODULE:
         return None
     constants = kernel_side_table.get_constant_args(kw["constant_args_idx"])
     args = []

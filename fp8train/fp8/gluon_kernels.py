@@ -119,11 +119,11 @@ def _weight_t_kernel(
         gl.store(s_ptr + pid_k * ld_s + pid_n, s)
 
 
-def launch_config(producer: int, pow2: bool, traced: bool = False) -> dict:
+def launch_config(producer: int, pow2: bool) -> dict:
     """Warps and register cap of a two-copy launch, from the SM90 code (tests/_triton_kernel_checks.py builds
     the same): 8 warps hold 113-127 registers (two programs per SM) but for dg, whose tile takes 148 there
-    (79 at 16 warps), and for exact scales' h and du, 132 uncapped (128 capped by `maxnreg`, no spills). A
-    launch traced for inductor (`traced`) goes without the cap: inductor drops it from a user kernel's config."""
+    (79 at 16 warps), and for exact scales' h and du, 132 uncapped (128 capped by `maxnreg`, no spills; a
+    launch option: these kernels are launched eagerly, an opaque op under torch.compile)."""
     if producer == 2:
         return {"num_warps": 16}
-    return {"num_warps": 8} if pow2 or traced else {"num_warps": 8, "maxnreg": 128}
+    return {"num_warps": 8} if pow2 else {"num_warps": 8, "maxnreg": 128}

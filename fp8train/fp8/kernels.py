@@ -280,6 +280,9 @@ def _quantize_tiles(x2d, others, producer: int, row_fmt, col_fmt, pow2: bool, pa
     """One launch of `_act_kernel` over x2d [M, K] (and `others`, the producer's other inputs, of its shape):
     (rows data, rows scale view, cols data or None, cols scale view or None). `gluon`: a launch that writes
     both copies runs `gluon_kernels._act2_kernel` instead (the same bytes; a candidate, see there)."""
+    if gluon and cols and traced:  # opaque under torch.compile (`_gluon_tiles_op`)
+        qr, sr, qc, sc = _gluon_tiles_op(x2d, list(others), producer, row_fmt.dtype, col_fmt.dtype, pow2, pad)
+        return qr, sr.t(), qc, sc.t()
     M, K = x2d.shape
     Kp, Mp = round_up(K, pad), round_up(M, pad)
     dev = x2d.device
@@ -299,7 +302,7 @@ def _quantize_tiles(x2d, others, producer: int, row_fmt, col_fmt, pow2: bool, pa
     if gluon and cols:
         from . import gluon_kernels  # Triton's Gluon dialect, only when asked for
         kernel = gluon_kernels._act2_kernel
-        config = gluon_kernels.launch_config(producer, pow2, traced) if num_warps is None else {"num_warps": num_warps}
+        config = gluon_kernels.launch_config(producer, pow2) if num_warps is None else {"num_warps": num_warps}
     else:
         kernel, config = _act_kernel, dict(COLS=cols, BLOCK=_SIDE, num_warps=num_warps or _NUM_WARPS)
     _launcher(kernel, traced)[grid](
@@ -344,6 +347,8 @@ def quantize_blocks(w, fmt, pow2: bool, pad: int, transpose: bool = False, num_w
     `divide=False`: power-of-two scales multiply by 2^-e instead of dividing (the same numbers; the
     experiment the kernel's comment describes, not yet what the library runs). `gluon`: W.T comes from
     `gluon_kernels._weight_t_kernel` (the same bytes; a candidate, see there)."""
+    if gluon and transpose and _traced:  # opaque under torch.compile (`_gluon_blocks_t_op`)
+        return _gluon_blocks_t_op(w, fmt.dtype, pow2, pad)
     N, K = w.shape
     rows, cols = (K, N) if transpose else (N, K)  # of the operand
     cols_p = round_up(cols, pad)
@@ -395,3 +400,34 @@ def quantize_swiglu_grads_op(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor,
 def quantize_blocks_op(w: torch.Tensor, dtype: torch.dtype, pow2: bool, pad: int, transpose: bool,
                        gluon: bool) -> tuple[torch.Tensor, torch.Tensor]:
     return quantize_blocks(w, _FORMATS[dtype], pow2, pad, transpose, _traced=True, gluon=gluon)
+
+
+# The Gluon launches (`gluon=True`) stay opaque ops under torch.compile: inductor writes a user kernel's source
+# into its generated code under @triton.jit, which a Gluon kernel is not. Scales as the triton ops return them.
+
+@torch.library.custom_op("fp8train::gluon_tiles", mutates_args=())
+def _gluon_tiles_op(x2d: torch.Tensor, others: list[torch.Tensor], producer: int, row_dtype: torch.dtype,
+                    col_dtype: torch.dtype, pow2: bool,
+                    pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return ops_layout(_quantize_tiles(x2d, tuple(others), producer, _FORMATS[row_dtype], _FORMATS[col_dtype], pow2, pad,
+                                      True, None, False, gluon=True), x2d)
+
+
+@_gluon_tiles_op.register_fake
+def _(x2d, others, producer, row_dtype, col_dtype, pow2, pad):
+    M, K = x2d.shape
+    Kp, Mp = round_up(K, pad), round_up(M, pad)
+    return (x2d.new_empty(M, Kp, dtype=row_dtype), x2d.new_empty(Kp // _SIDE, M, dtype=torch.float32),
+            x2d.new_empty(K, Mp, dtype=col_dtype), x2d.new_empty(Mp // _SIDE, K, dtype=torch.float32))
+
+
+@torch.library.custom_op("fp8train::gluon_blocks_t", mutates_args=())
+def _gluon_blocks_t_op(w: torch.Tensor, dtype: torch.dtype, pow2: bool, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return quantize_blocks(w, _FORMATS[dtype], pow2, pad, True, gluon=True)
+
+
+@_gluon_blocks_t_op.register_fake
+def _(w, dtype, pow2, pad):
+    N, K = w.shape
+    Np = round_up(N, pad)
+    return w.new_empty(K, Np, dtype=dtype), w.new_empty(-(-K // _SIDE), Np // _SIDE, dtype=torch.float32)

@@ -122,8 +122,9 @@ class Fp8Recipe:
     """The quantization launches that write a transposed FP8 copy (the 1x128 tile kernels' two-copy launches,
     the SwiGLU producers' included, and W.T's) run the Gluon kernels of fp8train.fp8.gluon_kernels, whose
     explicit layouts store the transposed copy from registers instead of byte by byte through shared memory:
-    the same bytes, 12-20% fewer SM90 instructions per launch. Off until the H200 has timed them (a
-    candidate; docs/benchmarks.md section 1); no effect where the GEMMs are emulated."""
+    the same bytes, 6-20% fewer SM90 instructions per launch; under torch.compile they are opaque ops (a
+    Python call per launch). Off until the H200 has timed them (a candidate; docs/benchmarks.md section 1);
+    no effect where the GEMMs are emulated."""
 
     @property
     def enabled(self) -> bool:

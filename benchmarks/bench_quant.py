@@ -6,10 +6,10 @@ The activation kernel reads x [M, K] (BF16) once and writes two FP8 copies plus 
 floor is (2 + 1 + 1) bytes per element at copy bandwidth; the weight kernel reads FP32 and writes two
 FP8 copies (4 + 1 + 1). Variants: the library's kernels at 4/8/16 warps, the rows-only launch (no
 backward), the same with exact FP32 scales (`pow2_scale: false`), a strip variant that loops over several
-128-feature tiles per program (software-pipelined loads), the Gluon two-copy kernel (`gluon_kernels.py`,
-the candidate to replace the Triton one's launches that write both copies), the weight kernel multiplying by 2^-e instead
-of dividing for power-of-two scales (`divide=False`, the candidate to replace the division), and `--legacy`
-(a copy of an older `_triton_quant.py`, for A/B in one process).
+128-feature tiles per program (software-pipelined loads), the Gluon kernels (`gluon_kernels.py`, the
+candidates to replace the Triton ones' launches that write a transposed copy), the weight kernel
+multiplying by 2^-e instead of dividing for power-of-two scales (`divide=False`, the candidate to replace
+the division), and `--legacy` (a copy of an older `_triton_quant.py`, for A/B in one process).
 """
 
 from __future__ import annotations

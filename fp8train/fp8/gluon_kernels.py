@@ -15,12 +15,14 @@ along the tokens from the same registers (the two layouts below differ only in r
 `convert_layout(..., assert_trivial=True)` proves it moves no data), the per-token amax is one warp
 reduction, and only the per-feature amax crosses warps (through shared memory). Same arithmetic as
 `_act_kernel` (its helpers, the producers included), so the same bytes. The W.T kernel reads a weight
-block the same way and stores its transpose from the same registers. Gluon has no CPU interpreter: on the
-CPU the kernels' source without its layouts runs in Triton's interpreter against the Triton kernels
-(tests/_triton_kernel_checks.py) and the layouts are checked where they compile (SM90); on the H200
-tests/test_gpu.py compares the compiled kernels with the Triton ones bit for bit. `kernels.quantize_tiles_and_transpose`, `quantize_swiglu(_grads)`
-and `quantize_blocks` launch them with `gluon=True`: the recipe knob `gluon_kernels` (`hybrid+gluon`), off
-until the H200 has checked and timed them.
+block the same way and stores its transpose from the same registers.
+
+Gluon has no CPU interpreter: on the CPU the kernels' own source without its layouts runs in Triton's
+interpreter against the Triton kernels (tests/_triton_kernel_checks.py) and the layouts are checked where
+they compile for SM90; on the H200 tests/test_gpu.py compares the compiled kernels with the Triton ones bit
+for bit. `kernels.quantize_tiles_and_transpose`, `quantize_swiglu(_grads)` and `quantize_blocks` launch them
+with `gluon=True` (under torch.compile through opaque ops: inductor cannot launch a Gluon kernel itself): the
+recipe knob `gluon_kernels` (`hybrid+gluon`), off until the H200 has checked and timed them.
 """
 
 from __future__ import annotations
@@ -31,7 +33,6 @@ from triton.experimental.gluon import language as gl
 from . import kernels as tq
 
 __all__ = ["launch_config"]
-
 
 
 @gluon.jit

@@ -90,7 +90,8 @@ def _quantize_activation(x2d: Tensor, rows: OperandSpec, cols: OperandSpec, pow2
     if x2d.stride(1) != 1:  # the kernel reads rows with unit stride
         x2d = x2d.contiguous()
     if _tile_kernel_applies(rows, cols, cublas):
-        if torch.compiler.is_compiling():  # its triton_op: inductor sees into it and launches it itself
+        if torch.compiler.is_compiling():  # its triton_op: inductor sees into it and launches it itself (a
+            # Gluon launch, `gluon`, stays an opaque op inside it)
             return _kernels.quantize_tiles_op(x2d, rows.fmt.dtype, cols.fmt.dtype, pow2, rows.pad, make_cols, gluon)
         return _kernels.ops_layout(_kernels.quantize_tiles_and_transpose(x2d, rows.fmt, cols.fmt, pow2, rows.pad,
                                                                          make_cols, gluon=gluon), x2d)

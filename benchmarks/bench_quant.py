@@ -25,7 +25,7 @@ import triton.language as tl
 
 from _harness import projection_shapes  # a sibling module (benchmarks/ is on sys.path)
 from fp8train.fp8 import kernels as tq
-from fp8train import make_recipe, quantize
+from fp8train import make_recipe, parse_recipe, quantize
 from fp8train.fp8.recipe import Fp8Format
 
 E4M3 = Fp8Format.E4M3
@@ -121,10 +121,7 @@ def swiglu_rows(copy_tbs: float) -> list[dict]:
     from fp8train.fp8.operands import LinearPlan
 
     plan = LinearPlan.of(make_recipe("hybrid"), True)
-    def gluon(t, others, producer):  # down's input operands for h, gate's and up's grad_output ones for dg, du
-        rows, cols = (plan.x, plan.x_t) if producer == 1 else (plan.g, plan.g_t)
-        return tq.ops_layout(tq._quantize_tiles(t, others, producer, rows.fmt, cols.fmt, True, rows.pad, True, None,
-                                                False, gluon=True), t)
+    gluon = LinearPlan.of(parse_recipe("hybrid+gluon"), True)  # the same ops, the Gluon kernels launched
 
     fwd_ref = torch.compile(ops.swiglu_reference)
     bwd_ref = torch.compile(ops.swiglu_grads_reference)
@@ -141,8 +138,8 @@ def swiglu_rows(copy_tbs: float) -> list[dict]:
             "swiglu bwd: inductor dg, du + kernel x2": (
                 lambda: [ops.quantize_input(t, plan, True) for t in bwd_ref(dh, g, u)], None, 10 + 8),
             "swiglu bwd: fused": (lambda: ops.quantize_swiglu_grads(dh, g, u, plan, True), want_g, 14),
-            "swiglu fwd: gluon": (lambda: gluon(g, (u,), 1), want_h, 6),
-            "swiglu bwd: gluon": (lambda: (*gluon(dh, (g, u), 2), *gluon(dh, (g,), 3)), want_g, 14),
+            "swiglu fwd: gluon": (lambda: ops.quantize_swiglu(g, u, gluon, True), want_h, 6),
+            "swiglu bwd: gluon": (lambda: ops.quantize_swiglu_grads(dh, g, u, gluon, True), want_g, 14),
         }
         for name, (fn, want, nbytes) in variants.items():
             ok = want is None or sum(_differ(a, b) for a, b in zip(fn(), want)) <= 1e-4 * M * I * 2 * (len(want) // 4)

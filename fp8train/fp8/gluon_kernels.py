@@ -48,8 +48,10 @@ def _act2_kernel(
     WARPS: gl.constexpr = gl.num_warps()
     rows: gl.constexpr = gl.BlockedLayout([BLOCK // WARPS, 4], [1, 32], [WARPS, 1], [1, 0])  # features fastest
     cols: gl.constexpr = gl.BlockedLayout([BLOCK // WARPS, 4], [1, 32], [WARPS, 1], [0, 1])  # tokens fastest
-    offs_m = gl.program_id(0) * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, rows))
-    offs_k = gl.program_id(1) * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(0, rows))
+    pid_m = gl.program_id(0)
+    pid_k = gl.program_id(1)
+    offs_m = pid_m * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, rows))
+    offs_k = pid_k * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(0, rows))
     in_m = offs_m < M
     in_k = offs_k < K
     offs = offs_m[:, None] * stride_xm + offs_k[None, :]
@@ -75,17 +77,17 @@ def _act2_kernel(
     q_r = tq._quant(x, tq._inverse(s_r, POW2)[:, None]).to(qr_ptr.dtype.element_ty)
     # [M, Kp]: 4 consecutive features per thread, a warp writes 128 bytes of one token
     gl.store(qr_ptr + offs_m[:, None] * Kp + offs_k[None, :], q_r, mask=in_m[:, None] & (offs_k < Kp)[None, :])
-    gl.store(sr_ptr + gl.program_id(1) * M + offs_m, s_r, mask=in_m & (gl.program_id(1) * BLOCK < Kp))
+    gl.store(sr_ptr + pid_k * M + offs_m, s_r, mask=in_m & (pid_k * BLOCK < Kp))
 
     s_c = tq._scale_from_amax_bits(amax_c, COL_MAX, POW2)
     q_c = gl.convert_layout(tq._quant(x, tq._inverse(s_c, POW2)[None, :]).to(qc_ptr.dtype.element_ty), cols,
                             assert_trivial=True)
-    offs_mc = gl.program_id(0) * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, cols))
-    offs_kc = gl.program_id(1) * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(0, cols))
+    offs_mc = pid_m * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, cols))
+    offs_kc = pid_k * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(0, cols))
     # [K, Mp], stored from the same registers: 128 / warps consecutive tokens of a feature per thread
     gl.store(qc_ptr + offs_kc[None, :] * Mp + offs_mc[:, None], q_c,
              mask=(offs_kc < K)[None, :] & (offs_mc < Mp)[:, None])
-    gl.store(sc_ptr + gl.program_id(0) * K + offs_k, s_c, mask=in_k & (gl.program_id(0) * BLOCK < Mp))
+    gl.store(sc_ptr + pid_m * K + offs_k, s_c, mask=in_k & (pid_m * BLOCK < Mp))
 
 
 @gluon.jit

@@ -83,7 +83,7 @@ def _tile_kernel_applies(rows: OperandSpec, cols: OperandSpec, cublas: bool) -> 
 
 
 def _quantize_activation(x2d: Tensor, rows: OperandSpec, cols: OperandSpec, pow2: bool, make_cols: bool,
-                         cublas: bool, gluon: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                         cublas: bool, gluon: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """FP8 copies of an activation x [M, K]: rows (blocks of x, for output / grad_input) and, if
     `make_cols`, cols (blocks of x.T, for grad_weight), both quantized from x itself; no cols: empty.
     `gluon`: the kernel launch that writes both copies is the Gluon kernel's (the plan's `gluon`)."""

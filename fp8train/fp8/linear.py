@@ -251,10 +251,14 @@ class FP8Linear(nn.Linear):
         """The plan this layer's GEMMs follow for input `x` (cuBLAS where it runs, else emulated)."""
         return self._plans[runs_on_cublas(x, self.recipe)]
 
+    def computes_grad_weight(self) -> bool:
+        """Whether a backward of this forward computes dW (the weight trains and autograd records)."""
+        return torch.is_grad_enabled() and self.weight.requires_grad
+
     def makes_input_t(self, plan: LinearPlan) -> bool:
         """Whether this forward makes input.T's operand: a backward computes dW, and from input.T made now
         (with the plan's `x_t_from_fp8` it is made in the backward from the saved FP8 rows)."""
-        return torch.is_grad_enabled() and self.weight.requires_grad and not plan.x_t_from_fp8
+        return self.computes_grad_weight() and not plan.x_t_from_fp8
 
     def forward_quantized(self, x: Tensor, x_rows: Tensor, x_rows_scale: Tensor, x_t: Tensor,
                           x_t_scale: Tensor) -> Tensor:
@@ -272,8 +276,8 @@ class FP8Linear(nn.Linear):
         out_dtype = output_dtype(x)
         x_rows, x_rows_scale, x_t, x_t_scale = x_operands or self._quantize_input(x, x2d, plan,
                                                                                   self.makes_input_t(plan))
-        grad_weight = torch.is_grad_enabled() and self.weight.requires_grad
-        x_saved = ops.wgrad_input(plan, x_rows, x_rows_scale, x_t, x_t_scale) if grad_weight else (None, None)
+        x_saved = (ops.wgrad_input(plan, x_rows, x_rows_scale, x_t, x_t_scale) if self.computes_grad_weight()
+                   else (None, None))
         w, w_scale = self.weight_operand(plan)
         weight = self.weight
         if self._frozen_plan is not None:

@@ -5,11 +5,12 @@
 The activation kernel reads x [M, K] (BF16) once and writes two FP8 copies plus their scales, so its
 floor is (2 + 1 + 1) bytes per element at copy bandwidth; the weight kernel reads FP32 and writes two
 FP8 copies (4 + 1 + 1). Variants: the library's kernels at 4/8/16 warps, the rows-only launch (no
-backward), the same with exact FP32 scales (`pow2_scale: false`), a strip variant that loops over several
-128-feature tiles per program (software-pipelined loads), the Gluon kernels (`gluon_kernels.py`, the
+backward), the same with exact FP32 scales (`pow2_scale: false`), the Gluon kernels (`gluon_kernels.py`, the
 candidates to replace the Triton ones' launches that write a transposed copy), the weight kernel
 multiplying by 2^-e instead of dividing for power-of-two scales (`divide=False`, the candidate to replace
-the division), and `--legacy` (a copy of an older `_triton_quant.py`, for A/B in one process).
+the division), with `--strip` a kernel that loops over several 128-feature tiles per program
+(software-pipelined loads; tried and dropped), and `--legacy` (a copy of an older `_triton_quant.py`, for
+A/B in one process).
 """
 
 from __future__ import annotations
@@ -156,6 +157,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--legacy", default=None, help="path of an older _triton_quant.py to compare against")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--strip", action="store_true", help="also time the strip variants (tried and dropped)")
     ap.add_argument("--only-swiglu", action="store_true", help="time the SwiGLU producers only")
     args = ap.parse_args(argv)
     legacy = None
@@ -176,7 +178,7 @@ def main(argv=None) -> int:
     # exact FP32 scales (`pow2_scale: false`): one correctly rounded reciprocal per block, then a multiply
     act["w8 exact"] = lambda x: tq.quantize_tiles_and_transpose(x, E4M3, E4M3, False, 512)
     act["w8 exact rows-only"] = lambda x: tq.quantize_tiles_and_transpose(x, E4M3, E4M3, False, 512, cols=False)
-    for tiles, stages in ((2, 2), (4, 2), (4, 3)):
+    for tiles, stages in ((2, 2), (4, 2), (4, 3)) if args.strip else ():  # tried and dropped (docs, section 1)
         act[f"strip t{tiles} s{stages}"] = lambda x, t=tiles, s=stages: strip_quantize(x, t, s)
     # the Gluon two-copy kernel (explicit layouts: the cols copy stored from the rows' registers)
     for name, pow2, warps in (("gluon", True, None), ("gluon w16", True, 16), ("gluon exact", False, None)):

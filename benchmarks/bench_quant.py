@@ -5,12 +5,11 @@
 The activation kernel reads x [M, K] (BF16) once and writes two FP8 copies plus their scales, so its
 floor is (2 + 1 + 1) bytes per element at copy bandwidth; the weight kernel reads FP32 and writes two
 FP8 copies (4 + 1 + 1). Variants: the library's kernels at 4/8/16 warps, the rows-only launch (no
-backward), the same with exact FP32 scales (`pow2_scale: false`), the Gluon kernels (`gluon_kernels.py`, the
-candidates to replace the Triton ones' launches that write a transposed copy), the weight kernel
-multiplying by 2^-e instead of dividing for power-of-two scales (`divide=False`, the candidate to replace
-the division), with `--strip` a kernel that loops over several 128-feature tiles per program
-(software-pipelined loads; tried and dropped), and `--legacy` (a copy of an older `_triton_quant.py`, for
-A/B in one process).
+backward), the same with exact FP32 scales (`pow2_scale: false`), the SwiGLU producers against what they
+replace, with `--strip` a kernel that loops over several 128-feature tiles per program (software-pipelined
+loads; tried and dropped), and `--legacy` (a copy of an older `_triton_quant.py`, for A/B in one process).
+(The Gluon kernels and the weight kernel's per-element division, timed here on 2026-12-05, are gone:
+docs/benchmarks.md section 1.)
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ import triton.language as tl
 
 from _harness import projection_shapes  # a sibling module (benchmarks/ is on sys.path)
 from fp8train.fp8 import kernels as tq
-from fp8train import make_recipe, parse_recipe, quantize
+from fp8train import make_recipe, quantize
 from fp8train.fp8.recipe import Fp8Format
 
 E4M3 = Fp8Format.E4M3
@@ -122,7 +121,6 @@ def swiglu_rows(copy_tbs: float) -> list[dict]:
     from fp8train.fp8.operands import LinearPlan
 
     plan = LinearPlan.of(make_recipe("hybrid"), True)
-    gluon = LinearPlan.of(parse_recipe("hybrid+gluon"), True)  # the same ops, the Gluon kernels launched
 
     fwd_ref = torch.compile(ops.swiglu_reference)
     bwd_ref = torch.compile(ops.swiglu_grads_reference)
@@ -139,8 +137,6 @@ def swiglu_rows(copy_tbs: float) -> list[dict]:
             "swiglu bwd: inductor dg, du + kernel x2": (
                 lambda: [ops.quantize_input(t, plan, True) for t in bwd_ref(dh, g, u)], None, 10 + 8),
             "swiglu bwd: fused": (lambda: ops.quantize_swiglu_grads(dh, g, u, plan, True), want_g, 14),
-            "swiglu fwd: gluon": (lambda: ops.quantize_swiglu(g, u, gluon, True), want_h, 6),
-            "swiglu bwd: gluon": (lambda: ops.quantize_swiglu_grads(dh, g, u, gluon, True), want_g, 14),
         }
         for name, (fn, want, nbytes) in variants.items():
             ok = want is None or sum(_differ(a, b) for a, b in zip(fn(), want)) <= 1e-4 * M * I * 2 * (len(want) // 4)
@@ -180,20 +176,12 @@ def main(argv=None) -> int:
     act["w8 exact rows-only"] = lambda x: tq.quantize_tiles_and_transpose(x, E4M3, E4M3, False, 512, cols=False)
     for tiles, stages in ((2, 2), (4, 2), (4, 3)) if args.strip else ():  # tried and dropped (docs, section 1)
         act[f"strip t{tiles} s{stages}"] = lambda x, t=tiles, s=stages: strip_quantize(x, t, s)
-    # the Gluon two-copy kernel (explicit layouts: the cols copy stored from the rows' registers)
-    for name, pow2, warps in (("gluon", True, None), ("gluon w16", True, 16), ("gluon exact", False, None)):
-        act[name] = lambda x, p=pow2, w=warps: tq.quantize_tiles_and_transpose(x, E4M3, E4M3, p, 512, num_warps=w,
-                                                                               gluon=True)
     if legacy is not None:
         act["legacy"] = lambda x: legacy.quantize_tiles_and_transpose(x, E4M3, E4M3, True, 512)
     wgt = {f"w{w}": (lambda w_, w=w: (tq.quantize_blocks(w_, E4M3, True, 512, num_warps=w),
                                       tq.quantize_blocks(w_, E4M3, True, 512, True, num_warps=w))) for w in (4, 8, 16)}
     wgt["w8 exact"] = lambda w_: (tq.quantize_blocks(w_, E4M3, False, 512),
                                   tq.quantize_blocks(w_, E4M3, False, 512, True))
-    wgt["w8 multiply"] = lambda w_: (tq.quantize_blocks(w_, E4M3, True, 512, divide=False),  # pow2, no division
-                                     tq.quantize_blocks(w_, E4M3, True, 512, True, divide=False))
-    wgt["gluon W.T, w8 multiply W"] = lambda w_: (tq.quantize_blocks(w_, E4M3, True, 512, divide=False),
-                                                  tq.quantize_blocks(w_, E4M3, True, 512, True, gluon=True))
     if legacy is not None:
         def legacy_weight(w_):  # the old kernel returned (W, W.T, scale)
             q, qt, s = legacy.quantize_blocks_and_transpose(w_, E4M3, True, 512)

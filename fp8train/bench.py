@@ -13,8 +13,7 @@ A variant may carry recipe modifiers, for A/B runs in one process: `hybrid+wgrad
 `hybrid+swiglu_fp8` (`swiglu_inputs_fp8`: the SwiGLU's inputs saved for backward in FP8), `hybrid+deep_gemm`
 (`deep_gemm`: output and grad_input on DeepGEMM's kernel), `hybrid+exact` (`pow2_scale: false`),
 `hybrid+unfused` (`fuse_swiglu: false`: three FP8 Linears per MLP instead of the SwiGLU fused into its FP8
-producers, hybrid's default; `+fused` turns it on for the other recipes), `hybrid+gluon` (`gluon_kernels`: the
-transposed FP8 copies written by the Gluon kernels, a candidate).
+producers, hybrid's default; `+fused` turns it on for the other recipes).
 `compiled` applies torch.compile to each decoder layer, for every variant alike (the trainer's
 `train.compile`); `cudagraphs` also replays each layer as CUDA graphs (`train.cuda_graphs`). Step time
 is the median of the timed steps after the warm-up (their range beside it); `--rounds N` runs the variant

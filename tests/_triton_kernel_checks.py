@@ -93,11 +93,11 @@ def interpret() -> dict:
                     if not ok:
                         failures.append(f"activation {name} {f} pow2={pow2} cols={cols}")
         if x.dtype == torch.float32 and x.shape[0] % 128 == 0:  # weights: FP32 masters, 128x128 blocks
-            for pow2, divide in ((True, True), (True, False), (False, True)):  # divide: pow2 only
+            for pow2 in (True, False):
                 fmt = Fp8Format.E4M3
                 fake = SimpleNamespace(dtype=torch.float32, max=fmt.max)
-                q, s = tq.quantize_blocks(x, fake, pow2, 512, divide=divide)
-                qt, st = tq.quantize_blocks(x, fake, pow2, 512, transpose=True, divide=divide)
+                q, s = tq.quantize_blocks(x, fake, pow2, 512)
+                qt, st = tq.quantize_blocks(x, fake, pow2, 512, transpose=True)
                 nb, kb = M // 128, -(-K // 128)
                 blocks = torch.nn.functional.pad(x, (0, kb * 128 - K)).view(nb, 128, kb, 128)
                 rs = compute_scale(blocks.abs().amax(dim=(1, 3)), fmt, pow2)
@@ -109,9 +109,8 @@ def interpret() -> dict:
                 ok &= bool((s[:, kb:] == 1).all()) and bool((st[:, nb:] == 1).all())
                 ok &= q.shape == (M, 512 * -(-K // 512)) and qt.shape == (K, 512 * -(-M // 512))
                 if not ok:
-                    failures.append(f"weight {name} pow2={pow2} divide={divide}")
+                    failures.append(f"weight {name} pow2={pow2}")
     failures += _scale_failures()
-    failures += _gluon_failures()
     failures += _producer_failures()
     failures += _launch_argument_failures()
     return {"failures": failures}
@@ -148,73 +147,6 @@ def _scale_failures() -> list:
                 i = int(bad[0])
                 failures.append(f"scale {f} pow2={pow2} division={division}: {bad.numel()} amax values differ, "
                                 f"first {hex(int(bits[i]))}: {got[i].item()!r} vs {want[i].item()!r}")
-    return failures
-
-
-def _without_layouts(kernel):
-    """A Gluon kernel's own source with its layouts dropped (the `rows` / `cols` BlockedLayouts, `layout=`
-    arguments, the register-only `convert_layout`), as a @triton.jit kernel the interpreter runs: its index,
-    mask and arithmetic code as written (the layouts themselves are checked where they are compiled)."""
-    import inspect
-    import textwrap
-
-    src = textwrap.dedent(inspect.getsource(kernel.fn)).replace("@gluon.jit", "@triton.jit")
-    src = re.sub(r"\n\s*(rows|cols): gl\.constexpr = gl\.BlockedLayout\([^\n]*", "", src)
-    src = re.sub(r"\n\s*WARPS: gl\.constexpr = gl\.num_warps\(\)", "", src)
-    src = re.sub(r", layout=gl\.SliceLayout\([01], (rows|cols)\)", "", src)
-    src = re.sub(r"gl\.convert_layout\((.*), cols,\s*assert_trivial=True\)", r"\1", src, flags=re.S)
-    assert "Layout" not in src and "layout=" not in src, src  # every layout dropped
-    namespace = {"triton": triton, "tl": tl, "tq": tq}
-    exec(compile(src.replace("gl.", "tl."), f"<{kernel.fn.__name__} without layouts>", "exec"), namespace)
-    return namespace[kernel.fn.__name__]
-
-
-def _gluon_failures() -> list:
-    """The Gluon kernels (no interpreter of their own) without their layouts, launched as the library launches
-    them, against the Triton kernels: every producer, BF16 and FP32 input, pow2 and exact scales, ragged shapes,
-    the two-copy tiles and W.T. (On the H200 tests/test_gpu.py compares the compiled kernels bit for bit.)"""
-    from fp8train.fp8 import gluon_kernels as gk
-
-    launches = [(k, _without_layouts(k)) for k in (gk._act2_kernel, gk._weight_t_kernel)]  # (a JIT function's
-    real = tq._launcher                                                                         # hash compiles it)
-    fmt = Fp8Format.E4M3
-    fake = SimpleNamespace(dtype=torch.float32, max=fmt.max)
-    g = torch.Generator().manual_seed(3)
-    failures = []
-    tq._launcher = lambda kernel, traced: next((plain for k, plain in launches if k is kernel), kernel)
-    try:
-        for M, K in ((257, 384), (130, 200)):
-            for dtype in (torch.bfloat16, torch.float32):
-                x = (torch.randn(M, K, generator=g) * torch.logspace(-3, 3, K)).to(dtype)
-                x[0, 0], x[-1, -1] = float("nan"), float("inf")
-                g1, u = (torch.randn(M, K, generator=g).bfloat16() for _ in range(2))
-                cases = [(x, (), 0)]
-                if dtype == torch.bfloat16:  # the SwiGLU producers read BF16
-                    cases += [(g1, (u,), 1), (x, (g1, u), 2), (x, (g1,), 3)]
-                for pow2 in (True, False):
-                    for t, others, producer in cases:
-                        args = (t, others, producer, fake, fake, pow2, 512, True, None, False)
-                        want, got = tq._quantize_tiles(*args), tq._quantize_tiles(*args, gluon=True)
-                        if not all(torch.equal(_bits(a), _bits(b)) for a, b in zip(got, want)):
-                            failures.append(f"gluon tiles {M}x{K} {dtype} pow2={pow2} producer={producer}")
-                    want = tq.quantize_blocks(x, fake, pow2, 512, transpose=True)
-                    got = tq.quantize_blocks(x, fake, pow2, 512, transpose=True, gluon=True)
-                    if not all(torch.equal(_bits(a), _bits(b)) for a, b in zip(got, want)):
-                        failures.append(f"gluon W.T {M}x{K} {dtype} pow2={pow2}")
-    finally:
-        tq._launcher = real
-    # under torch.compile the Gluon launches are opaque ops: their fake outputs are the real launches' layout
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    x = torch.randn(257, 384).bfloat16()
-    real_out = (*tq.ops_layout(tq._quantize_tiles(x, (x,), 1, fmt, fmt, True, 512, True, None, False), x),
-                *tq.quantize_blocks(x, fmt, True, 512, transpose=True))
-    with FakeTensorMode() as mode:
-        fx = mode.from_tensor(x)
-        fake_out = (*tq._gluon_tiles_op(fx, [fx], 1, fmt.dtype, fmt.dtype, True, 512),
-                    *tq._gluon_blocks_t_op(fx, fmt.dtype, True, 512))
-    if [(t.shape, t.stride(), t.dtype) for t in fake_out] != [(t.shape, t.stride(), t.dtype) for t in real_out]:
-        failures.append("gluon ops: fake outputs differ from the launches' layout")
     return failures
 
 
@@ -303,8 +235,8 @@ def _producer_failures() -> list:
         # the torch ops that torch.compile traces (triton ops, their own schemas: a clash with ops.py's custom
         # op names once replaced them) compute the same bytes
         e4m3 = torch.float8_e4m3fn
-        as_ops = (*tq.quantize_swiglu_op(g, u, e4m3, e4m3, pow2, 512, True, False),
-                  *tq.quantize_swiglu_grads_op(dh, g, u, e4m3, e4m3, pow2, 512, True, False))
+        as_ops = (*tq.quantize_swiglu_op(g, u, e4m3, e4m3, pow2, 512, True),
+                  *tq.quantize_swiglu_grads_op(dh, g, u, e4m3, e4m3, pow2, 512, True))
         direct = (*tq.quantize_swiglu(g, u, fmt, fmt, pow2, 512),
                   *tq.quantize_swiglu_grads(dh, g, u, fmt, fmt, pow2, 512))
         same = all(torch.equal(_bits(a.float()), _bits(b.float())) for a, b in zip(as_ops, direct))
@@ -353,39 +285,10 @@ def compile_sm90() -> dict:
                                    options={"num_warps": tq._NUM_WARPS})
                 out[f"{name} pow2={pow2} cols={cols}"] = _resources(k)
         for transpose in (False, True):
-            for divide in ((True, False) if pow2 else (True,)):
-                consts = dict(FMT_MAX=448.0, POW2=pow2, BF16=False, TRANSPOSE=transpose, BLOCK=128, DIVIDE=divide)
-                k = triton.compile(ASTSource(tq._weight_kernel, w_sig, consts, aligned), target=target,
-                                   options={"num_warps": tq._NUM_WARPS})
-                out[f"weight pow2={pow2} transpose={transpose} divide={divide}"] = _resources(k)
-    out.update(_compile_gluon(target, aligned))
-    return out
-
-
-def _compile_gluon(target, aligned) -> dict:
-    """The Gluon kernels' launches (two-copy activation, W.T), as their launchers configure them."""
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    from fp8train.fp8 import gluon_kernels as gk
-
-    out = {}
-    for pow2 in (True, False):
-        for name, producer, dtype in (("activation", 0, "bf16"), ("activation fp32", 0, "fp32"),
-                                      ("swiglu h", 1, "bf16"), ("swiglu dg", 2, "bf16"), ("swiglu du", 3, "bf16")):
-            types = dict(x_ptr=f"*{dtype}", M="i32", K="i32", stride_xm="i32", qr_ptr="*fp8e4nv", sr_ptr="*fp32",
-                         Kp="i32", qc_ptr="*fp8e4nv", sc_ptr="*fp32", Mp="i32", y_ptr="*bf16", z_ptr="*bf16")
-            consts = dict(ROW_MAX=448.0, COL_MAX=448.0, POW2=pow2, BF16=dtype == "bf16", PRODUCER=producer)
-            consts.update({n: None for n, none in {"y_ptr": producer == 0, "z_ptr": producer != 2}.items() if none})
-            sig = {n: types.get(n, "constexpr") if n not in consts else "constexpr" for n in gk._act2_kernel.arg_names}
-            k = triton.compile(GluonASTSource(gk._act2_kernel, sig, consts, aligned), target=target,
-                               options=gk.launch_config(producer, pow2))
-            out[f"gluon {name} pow2={pow2}"] = _resources(k)
-        w_sig = {n: "constexpr" for n in gk._weight_t_kernel.arg_names}
-        w_sig.update(w_ptr="*fp32", N="i32", K="i32", stride_wn="i32", q_ptr="*fp8e4nv", ld_q="i32", s_ptr="*fp32",
-                     ld_s="i32")
-        k = triton.compile(GluonASTSource(gk._weight_t_kernel, w_sig, dict(FMT_MAX=448.0, POW2=pow2, BF16=False),
-                                          aligned), target=target, options={"num_warps": 8})
-        out[f"gluon weight transpose pow2={pow2}"] = _resources(k)
+            consts = dict(FMT_MAX=448.0, POW2=pow2, BF16=False, TRANSPOSE=transpose, BLOCK=128)
+            k = triton.compile(ASTSource(tq._weight_kernel, w_sig, consts, aligned), target=target,
+                               options={"num_warps": tq._NUM_WARPS})
+            out[f"weight pow2={pow2} transpose={transpose}"] = _resources(k)
     return out
 
 

@@ -41,7 +41,7 @@ def test_variant_modifiers(capsys):
     from fp8train.bench import BenchCase, parse_variant, run_case
 
     variants = ("hybrid", "hybrid+wgrad_from_fp8", "hybrid+swiglu_fp8", "hybrid+wgrad_from_fp8+swiglu_fp8",
-                "hybrid+deep_gemm", "hybrid+unfused", "hybrid+gluon")  # deep_gemm, gluon: ignored when emulated
+                "hybrid+deep_gemm", "hybrid+unfused")  # deep_gemm: ignored when emulated
     assert parse_variant("hybrid+exact+deep_gemm")[1] == make_recipe("hybrid", pow2_scale=False, deep_gemm=True)
     assert parse_variant("tensorwise+fused")[1] == make_recipe("tensorwise", fuse_swiglu=True)
     assert parse_variant("hybrid+unfused")[1] == make_recipe("hybrid", fuse_swiglu=False) != make_recipe("hybrid")

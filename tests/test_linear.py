@@ -14,7 +14,7 @@ from fp8train.fp8 import gemm as gemm_module
 from fp8train.fp8 import ops
 from fp8train.fp8.operands import LinearPlan
 from fp8train.fp8.ops import reference_fp8_linear
-from fp8train.fp8.recipe import make_recipe, parse_recipe
+from fp8train.fp8.recipe import make_recipe
 
 THRESHOLD_DB = {"hybrid": 25.0, "rowwise": 25.0, "tensorwise": 19.0}
 
@@ -328,56 +328,6 @@ def test_deep_gemm_knob_routes_only_cublas_tile_block_gemms(monkeypatch):
     ST = torch.nn.functional.ScalingType
     assert calls[1:] == [("cublas", ST.BlockWise1x128, ST.BlockWise1x128, torch.float32),
                          ("cublas", ST.BlockWise1x128, ST.BlockWise128x128, torch.float32)]
-
-
-def test_gluon_knob_routes_the_transposing_launches(monkeypatch):
-    """The recipe's `gluon_kernels` (`+gluon`) travels in the plan key, only where the GEMMs run on cuBLAS, and
-    there reaches exactly the kernel launches that write a transposed copy: the activation and SwiGLU tile
-    launches and W.T (not W). The kernels themselves are checked against the Triton ones on the H200."""
-    r = parse_recipe("hybrid+gluon")
-    assert r.gluon_kernels and not make_recipe("hybrid").gluon_kernels
-    on, off = LinearPlan.of(r, cublas=True), LinearPlan.of(r, cublas=False)
-    assert on.gluon and not off.gluon and LinearPlan.parse(on.key) == on and LinearPlan.parse(off.key) == off
-    assert off == LinearPlan.of(make_recipe("hybrid"), cublas=False)  # emulated: the knob changes nothing
-
-    calls = []
-
-    class FakeKernels:  # records what ops asks of the kernels
-        @staticmethod
-        def quantize_tiles_and_transpose(x2d, rows, cols, pow2, pad, make_cols, gluon=False):
-            calls.append(("tiles", gluon))
-            return (x2d,) * 4
-
-        @staticmethod
-        def quantize_swiglu(g, u, rows, cols, pow2, pad, make_cols, gluon=False):
-            calls.append(("swiglu", gluon))
-            return (None,) * 4
-
-        @staticmethod
-        def quantize_swiglu_grads(dh, g, u, rows, cols, pow2, pad, make_cols, gluon=False):
-            calls.append(("swiglu grads", gluon))
-            return (None,) * 8
-
-        @staticmethod
-        def quantize_blocks(w, fmt, pow2, pad, transpose, gluon=False):
-            calls.append(("W.T" if transpose else "W", gluon))
-            return None, None
-
-        @staticmethod
-        def ops_layout(out, like):
-            return out
-
-    monkeypatch.setattr(ops, "_kernels", FakeKernels)
-    monkeypatch.setattr(ops, "gemm", lambda *args: torch.empty(0))  # no GEMM runs: the routing is the point
-    x, w = torch.randn(256, 384, dtype=torch.bfloat16), torch.randn(512, 384)
-    for plan in (on, LinearPlan.of(make_recipe("hybrid"), cublas=True)):
-        ops._quantize_input_impl(x, plan.key, True)
-        ops._forward_impl(x, x, w, None, None, plan.key, torch.bfloat16)
-        ops._backward_impl(x, w, None, None, x, x, plan.key, True, True, torch.bfloat16)
-        ops._quantize_swiglu_impl(x, x, plan.key, True)
-        ops._quantize_swiglu_grads_impl(x, x, x, plan.key, True)
-    names = ["tiles", "W", "tiles", "W.T", "swiglu", "swiglu grads"]
-    assert calls == [(n, n != "W") for n in names] + [(n, False) for n in names]
 
 
 def test_deep_gemm_missing_is_one_clear_error():

@@ -37,8 +37,7 @@ def _check(mode: str) -> dict:
 def test_kernel_arithmetic_matches_the_reference_bit_for_bit():
     """Scales and pre-conversion values of both copies, E4M3 and E5M2, pow2 on and off, BF16 and FP32 inputs,
     ragged shapes, zeros, NaN/Inf and amax values next to powers of two: equal to fp8train.fp8.quant's; the
-    power-of-two scale from bit patterns for every exponent; the Gluon kernels' code without its layouts equal
-    to the Triton kernels. And no launch hands the kernel a tensor twice (inductor would copy it first: a
+    power-of-two scale from bit patterns for every exponent. And no launch hands the kernel a tensor twice (inductor would copy it first: a
     measured 2.7% of a 7B step)."""
     assert _check("interpret")["failures"] == []
 
@@ -55,12 +54,3 @@ def test_kernels_compile_for_sm90_without_spills():
         assert r["REG"] <= 128, f"{name} uses {r['REG']} registers"
 
 
-def test_gluon_kernel_transposes_in_registers():
-    """The Gluon kernels (candidates for the launches above that write a transposed copy: both activation
-    copies, W.T) store it from the registers that hold the rows: no byte-wise transpose through shared memory,
-    which the Triton kernels' SM90 code does (64 `LDS.U8` per thread, docs/benchmarks.md section 1)."""
-    res = _check("compile")
-    gluon = {k: v for k, v in res.items() if k.startswith("gluon")}
-    assert len(gluon) == 12 and res["activation pow2=True cols=True"]["LDS.U8"] > 0
-    for name, r in gluon.items():
-        assert r["LDS.U8"] == 0, f"{name}: {r}"

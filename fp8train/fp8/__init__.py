@@ -3,7 +3,6 @@
     recipe.py   which format and scale granularity every GEMM operand gets (`make_recipe`)
     quant.py    the reference block quantization (`quantize`, `dequantize`, `compute_scale`)
     kernels.py  the Triton quantization kernels of the CUDA path (bit-identical to quant.py)
-    gluon_kernels.py  the two-copy activation kernel with explicit layouts (a candidate, not yet called)
     operands.py a GEMM operand's spec (format, block, padding), a Linear's plan, the operand layout
     gemm.py     the one GEMM and its route table (cuBLAS scaled_mm, DeepGEMM, or emulated)
     ops.py      the three GEMMs of one Linear (`reference_fp8_linear`: what they compute), their

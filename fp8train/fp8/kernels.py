@@ -28,8 +28,7 @@ Why the kernels are cheap per element (they must stream at memory speed, ~4 TB/s
   / 57344). Exact FP32 scales multiply by the correctly rounded reciprocal RN(1 / s) (one `div_rn` per
   block), as the reference does (`quant.reciprocal`; its clamp changes nothing, see `_quant`):
   x * RN(1 / s) differs from RN(x / s) only where the two straddle an FP8 rounding boundary, which is rare,
-  and CPU and GPU stay bit-identical because both make the same IEEE multiply. Only the weight kernel
-  still divides each element, for power-of-two scales (exact, so the same numbers; see there);
+  and CPU and GPU stay bit-identical because both make the same IEEE multiply;
 - a BF16 tile stays BF16 in registers (amax on its 16-bit patterns) and is widened only for the multiply:
   half the registers, so two programs fit on an SM and one's loads overlap the other's arithmetic.
 
@@ -225,7 +224,7 @@ def _weight_kernel(
     q_ptr, ld_q,               # W [N, Kp] (ld_q = Kp), or W.T [K, Np] (ld_q = Np) with TRANSPOSE
     s_ptr, ld_s,               # scales, row-major: [ceil(N/128), Kp/128], or [ceil(K/128), Np/128]
     FMT_MAX: tl.constexpr, POW2: tl.constexpr, BF16: tl.constexpr, TRANSPOSE: tl.constexpr,
-    BLOCK: tl.constexpr, DIVIDE: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -238,16 +237,7 @@ def _weight_kernel(
     if not BF16:
         w = w.to(tl.float32)
     s = _scale_from_amax_bits(tl.max(_amax_bits(_abs_bits(w, BF16), 1, BF16), axis=0), FMT_MAX, POW2)
-    if POW2 and DIVIDE:
-        # IEEE division for power-of-two scales (exact, the same numbers as the multiply): with the multiply by
-        # 2^-e the transposed store below came out wrong on the H200 (Triton 3.6; seen 2026-12-02, cause not
-        # found). The division costs 3x the instructions (SM90 code: 1,904 against 832 for the transposed
-        # launch, 65 division calls), and the multiply's code now has the structure of the exact-scale path
-        # (verified on the H200: the same 64 byte loads of the FP8 transpose), so `divide=False` is kept to be
-        # checked and timed on the H200 (tests/test_gpu.py, benchmarks/bench_quant.py) and replace this.
-        q = _clip(tl.div_rn(w.to(tl.float32), s), FMT_MAX)
-    else:  # multiply by the block's reciprocal, as the activation kernel and the reference do
-        q = _quant(w, _inverse(s, POW2))
+    q = _quant(w, _inverse(s, POW2))  # the block's reciprocal, as the activation kernel and the reference
     q = q.to(q_ptr.dtype.element_ty)
     if TRANSPOSE:  # block (n, k) of W is block (k, n) of W.T: same data transposed, same scale
         tl.store(q_ptr + offs_k[:, None] * ld_q + offs_n[None, :], tl.trans(q),
@@ -276,13 +266,9 @@ def ops_layout(out, like: torch.Tensor) -> tuple:
 
 
 def _quantize_tiles(x2d, others, producer: int, row_fmt, col_fmt, pow2: bool, pad: int, cols: bool,
-                    num_warps: int | None, traced: bool, gluon: bool = False) -> tuple:
+                    num_warps: int | None, traced: bool) -> tuple:
     """One launch of `_act_kernel` over x2d [M, K] (and `others`, the producer's other inputs, of its shape):
-    (rows data, rows scale view, cols data or None, cols scale view or None). `gluon`: a launch that writes
-    both copies runs `gluon_kernels._act2_kernel` instead (the same bytes; a candidate, see there)."""
-    if gluon and cols and traced:  # opaque under torch.compile (`_gluon_tiles_op`)
-        qr, sr, qc, sc = _gluon_tiles_op(x2d, list(others), producer, row_fmt.dtype, col_fmt.dtype, pow2, pad)
-        return qr, sr.t(), qc, sc.t()
+    (rows data, rows scale view, cols data or None, cols scale view or None)."""
     M, K = x2d.shape
     Kp, Mp = round_up(K, pad), round_up(M, pad)
     dev = x2d.device
@@ -299,56 +285,46 @@ def _quantize_tiles(x2d, others, producer: int, row_fmt, col_fmt, pow2: bool, pa
     # torch.compile inductor then copies it before the launch (0.65 ms per Qwen2.5-7B layer at 8192 tokens
     # on the H200 when x2d stood in for y and z; docs/benchmarks.md)
     y, z = (*others, None, None)[:2]
-    if gluon and cols:
-        from . import gluon_kernels  # Triton's Gluon dialect, only when asked for
-        kernel = gluon_kernels._act2_kernel
-        config = gluon_kernels.launch_config(producer, pow2) if num_warps is None else {"num_warps": num_warps}
-    else:
-        kernel, config = _act_kernel, dict(COLS=cols, BLOCK=_SIDE, num_warps=num_warps or _NUM_WARPS)
-    _launcher(kernel, traced)[grid](
+    _launcher(_act_kernel, traced)[grid](
         x2d, M, K, x2d.stride(0), qr, sr, Kp, qc, sc, Mp, y, z, ROW_MAX=row_fmt.max, COL_MAX=col_fmt.max,
-        POW2=pow2, BF16=x2d.dtype == torch.bfloat16, PRODUCER=producer, **config,
+        POW2=pow2, BF16=x2d.dtype == torch.bfloat16, PRODUCER=producer, COLS=cols, BLOCK=_SIDE,
+        num_warps=num_warps or _NUM_WARPS,
     )
     return (qr, sr.t(), qc, sc.t()) if cols else (qr, sr.t(), None, None)
 
 
 def quantize_tiles_and_transpose(x2d, row_fmt, col_fmt, pow2: bool, pad: int, cols: bool = True,
-                                 num_warps: int | None = None, _traced: bool = False, gluon: bool = False):
+                                 num_warps: int | None = None, _traced: bool = False):
     """x2d [M, K] -> (rows data [M, Kp], rows scale view (M, Kp/128) with strides (1, M),
     cols data [K, Mp], cols scale view (K, Mp/128) with strides (1, K)); Kp, Mp = round_up(., pad).
     `cols=False` skips the transposed copy (no backward will need it) and returns None for it.
     A format is anything with `.dtype` (of the copy) and `.max` (an FP32 dtype gives the values before
-    the FP8 conversion: the CPU interpreter checks use it). `gluon`: the Gluon kernel writes both copies."""
-    return _quantize_tiles(x2d, (), 0, row_fmt, col_fmt, pow2, pad, cols, num_warps, _traced, gluon)
+    the FP8 conversion: the CPU interpreter checks use it)."""
+    return _quantize_tiles(x2d, (), 0, row_fmt, col_fmt, pow2, pad, cols, num_warps, _traced)
 
 
 def quantize_swiglu(g, u, row_fmt, col_fmt, pow2: bool, pad: int, cols: bool = True, num_warps: int | None = None,
-                    _traced: bool = False, gluon: bool = False):
+                    _traced: bool = False):
     """The tiles of h = silu(g) * u from BF16 g, u [M, I], without h ever being written: (rows data, rows
     scale [Ip/128, M], cols data, cols scale [Mp/128, I]), the scales as buffers in the ops' layout (not the
     views `quantize_tiles_and_transpose` returns); no cols: empty tensors."""
-    return ops_layout(_quantize_tiles(g, (u,), 1, row_fmt, col_fmt, pow2, pad, cols, num_warps, _traced, gluon), g)
+    return ops_layout(_quantize_tiles(g, (u,), 1, row_fmt, col_fmt, pow2, pad, cols, num_warps, _traced), g)
 
 
 def quantize_swiglu_grads(dh, g, u, row_fmt, col_fmt, pow2: bool, pad: int, cols: bool = True,
-                          num_warps: int | None = None, _traced: bool = False, gluon: bool = False):
+                          num_warps: int | None = None, _traced: bool = False):
     """The tiles of the SwiGLU's input gradients from BF16 dh, g, u [M, I]: dg's four tensors, then du's (as
     `quantize_swiglu` returns them), in two launches."""
-    dg = _quantize_tiles(dh, (g, u), 2, row_fmt, col_fmt, pow2, pad, cols, num_warps, _traced, gluon)
-    du = _quantize_tiles(dh, (g,), 3, row_fmt, col_fmt, pow2, pad, cols, num_warps, _traced, gluon)
+    dg = _quantize_tiles(dh, (g, u), 2, row_fmt, col_fmt, pow2, pad, cols, num_warps, _traced)
+    du = _quantize_tiles(dh, (g,), 3, row_fmt, col_fmt, pow2, pad, cols, num_warps, _traced)
     return (*ops_layout(dg, dh), *ops_layout(du, dh))
 
 
 def quantize_blocks(w, fmt, pow2: bool, pad: int, transpose: bool = False, num_warps: int = _NUM_WARPS,
-                    _traced: bool = False, divide: bool = True, gluon: bool = False):
+                    _traced: bool = False):
     """w [N, K] -> W (data [N, Kp], scale [ceil(N/128), Kp/128]) or, with `transpose`, W.T (data [K, Np],
     scale [ceil(K/128), Np/128]); Kp, Np = round_up(., pad); scales row-major. The transposed copy is the
-    quantization of w.T itself: a 128x128 block's scale does not depend on which way it is read.
-    `divide=False`: power-of-two scales multiply by 2^-e instead of dividing (the same numbers; the
-    experiment the kernel's comment describes, not yet what the library runs). `gluon`: W.T comes from
-    `gluon_kernels._weight_t_kernel` (the same bytes; a candidate, see there)."""
-    if gluon and transpose and _traced:  # opaque under torch.compile (`_gluon_blocks_t_op`)
-        return _gluon_blocks_t_op(w, fmt.dtype, pow2, pad)
+    quantization of w.T itself: a 128x128 block's scale does not depend on which way it is read."""
     N, K = w.shape
     rows, cols = (K, N) if transpose else (N, K)  # of the operand
     cols_p = round_up(cols, pad)
@@ -357,13 +333,9 @@ def quantize_blocks(w, fmt, pow2: bool, pad: int, transpose: bool = False, num_w
     row_blocks, col_blocks = s.shape
     grid = (col_blocks, row_blocks) if transpose else (row_blocks, col_blocks)  # over (blocks of N, blocks of K)
     ld_q, ld_s = cols_p, col_blocks
-    if gluon and transpose:
-        from . import gluon_kernels  # Triton's Gluon dialect, only when asked for
-        kernel, config = gluon_kernels._weight_t_kernel, {}
-    else:
-        kernel, config = _weight_kernel, dict(TRANSPOSE=transpose, BLOCK=_SIDE, DIVIDE=divide)
-    _launcher(kernel, _traced)[grid](w, N, K, w.stride(0), q, ld_q, s, ld_s, FMT_MAX=fmt.max, POW2=pow2,
-                                     BF16=w.dtype == torch.bfloat16, num_warps=num_warps, **config)
+    _launcher(_weight_kernel, _traced)[grid](w, N, K, w.stride(0), q, ld_q, s, ld_s, FMT_MAX=fmt.max, POW2=pow2,
+                                             BF16=w.dtype == torch.bfloat16, TRANSPOSE=transpose, BLOCK=_SIDE,
+                                             num_warps=num_warps)
     return q, s
 
 
@@ -376,58 +348,25 @@ _FORMATS = {f.dtype: f for f in Fp8Format}
 
 @torch.library.triton_op("fp8train::quantize_tiles", mutates_args=())
 def quantize_tiles_op(x2d: torch.Tensor, row_dtype: torch.dtype, col_dtype: torch.dtype, pow2: bool, pad: int,
-                      cols: bool, gluon: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                      cols: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return ops_layout(quantize_tiles_and_transpose(x2d, _FORMATS[row_dtype], _FORMATS[col_dtype], pow2, pad, cols,
-                                                   _traced=True, gluon=gluon), x2d)
+                                                   _traced=True), x2d)
 
 
 @torch.library.triton_op("fp8train::quantize_swiglu_tiles", mutates_args=())
 def quantize_swiglu_op(g: torch.Tensor, u: torch.Tensor, row_dtype: torch.dtype, col_dtype: torch.dtype, pow2: bool,
-                       pad: int, cols: bool,
-                       gluon: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return quantize_swiglu(g, u, _FORMATS[row_dtype], _FORMATS[col_dtype], pow2, pad, cols, _traced=True, gluon=gluon)
+                       pad: int, cols: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return quantize_swiglu(g, u, _FORMATS[row_dtype], _FORMATS[col_dtype], pow2, pad, cols, _traced=True)
 
 
 @torch.library.triton_op("fp8train::quantize_swiglu_grad_tiles", mutates_args=())
 def quantize_swiglu_grads_op(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, row_dtype: torch.dtype,
-                             col_dtype: torch.dtype, pow2: bool, pad: int, cols: bool, gluon: bool) -> tuple[
+                             col_dtype: torch.dtype, pow2: bool, pad: int, cols: bool) -> tuple[
         torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return quantize_swiglu_grads(dh, g, u, _FORMATS[row_dtype], _FORMATS[col_dtype], pow2, pad, cols, _traced=True,
-                                 gluon=gluon)
+    return quantize_swiglu_grads(dh, g, u, _FORMATS[row_dtype], _FORMATS[col_dtype], pow2, pad, cols, _traced=True)
 
 
 @torch.library.triton_op("fp8train::quantize_blocks", mutates_args=())
-def quantize_blocks_op(w: torch.Tensor, dtype: torch.dtype, pow2: bool, pad: int, transpose: bool,
-                       gluon: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    return quantize_blocks(w, _FORMATS[dtype], pow2, pad, transpose, _traced=True, gluon=gluon)
-
-
-# The Gluon launches (`gluon=True`) stay opaque ops under torch.compile: inductor writes a user kernel's source
-# into its generated code under @triton.jit, which a Gluon kernel is not. Scales as the triton ops return them.
-
-@torch.library.custom_op("fp8train::gluon_tiles", mutates_args=())
-def _gluon_tiles_op(x2d: torch.Tensor, others: list[torch.Tensor], producer: int, row_dtype: torch.dtype,
-                    col_dtype: torch.dtype, pow2: bool,
-                    pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return ops_layout(_quantize_tiles(x2d, tuple(others), producer, _FORMATS[row_dtype], _FORMATS[col_dtype], pow2, pad,
-                                      True, None, False, gluon=True), x2d)
-
-
-@_gluon_tiles_op.register_fake
-def _(x2d, others, producer, row_dtype, col_dtype, pow2, pad):
-    M, K = x2d.shape
-    Kp, Mp = round_up(K, pad), round_up(M, pad)
-    return (x2d.new_empty(M, Kp, dtype=row_dtype), x2d.new_empty(Kp // _SIDE, M, dtype=torch.float32),
-            x2d.new_empty(K, Mp, dtype=col_dtype), x2d.new_empty(Mp // _SIDE, K, dtype=torch.float32))
-
-
-@torch.library.custom_op("fp8train::gluon_blocks_t", mutates_args=())
-def _gluon_blocks_t_op(w: torch.Tensor, dtype: torch.dtype, pow2: bool, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return quantize_blocks(w, _FORMATS[dtype], pow2, pad, True, gluon=True)
-
-
-@_gluon_blocks_t_op.register_fake
-def _(w, dtype, pow2, pad):
-    N, K = w.shape
-    Np = round_up(N, pad)
-    return w.new_empty(K, Np, dtype=dtype), w.new_empty(-(-K // _SIDE), Np // _SIDE, dtype=torch.float32)
+def quantize_blocks_op(w: torch.Tensor, dtype: torch.dtype, pow2: bool, pad: int,
+                       transpose: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return quantize_blocks(w, _FORMATS[dtype], pow2, pad, transpose, _traced=True)

@@ -83,18 +83,16 @@ def _tile_kernel_applies(rows: OperandSpec, cols: OperandSpec, cublas: bool) -> 
 
 
 def _quantize_activation(x2d: Tensor, rows: OperandSpec, cols: OperandSpec, pow2: bool, make_cols: bool,
-                         cublas: bool, gluon: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                         cublas: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """FP8 copies of an activation x [M, K]: rows (blocks of x, for output / grad_input) and, if
-    `make_cols`, cols (blocks of x.T, for grad_weight), both quantized from x itself; no cols: empty.
-    `gluon`: the kernel launch that writes both copies is the Gluon kernel's (the plan's `gluon`)."""
+    `make_cols`, cols (blocks of x.T, for grad_weight), both quantized from x itself; no cols: empty."""
     if x2d.stride(1) != 1:  # the kernel reads rows with unit stride
         x2d = x2d.contiguous()
     if _tile_kernel_applies(rows, cols, cublas):
-        if torch.compiler.is_compiling():  # its triton_op: inductor sees into it and launches it itself (a
-            # Gluon launch, `gluon`, stays an opaque op inside it)
-            return _kernels.quantize_tiles_op(x2d, rows.fmt.dtype, cols.fmt.dtype, pow2, rows.pad, make_cols, gluon)
+        if torch.compiler.is_compiling():  # its triton_op: inductor sees into it and launches it itself
+            return _kernels.quantize_tiles_op(x2d, rows.fmt.dtype, cols.fmt.dtype, pow2, rows.pad, make_cols)
         return _kernels.ops_layout(_kernels.quantize_tiles_and_transpose(x2d, rows.fmt, cols.fmt, pow2, rows.pad,
-                                                                         make_cols, gluon=gluon), x2d)
+                                                                         make_cols), x2d)
     rd, rs = quantize_operand(x2d, rows, pow2)
     if not make_cols:
         return rd, rs, *_empty(x2d)
@@ -104,16 +102,14 @@ def _quantize_activation(x2d: Tensor, rows: OperandSpec, cols: OperandSpec, pow2
     return rd, rs, *quantize_operand(x2d.t(), cols, pow2)
 
 
-def quantize_weight(w: Tensor, spec: OperandSpec, pow2: bool, transpose: bool, cublas: bool,
-                    gluon: bool = False) -> tuple[Tensor, Tensor]:
-    """W [N, K] as the operand `spec` describes: W for output, or W.T (`transpose`) for grad_input (by the
-    Gluon kernel with `gluon`)."""
+def quantize_weight(w: Tensor, spec: OperandSpec, pow2: bool, transpose: bool, cublas: bool) -> tuple[Tensor, Tensor]:
+    """W [N, K] as the operand `spec` describes: W for output, or W.T (`transpose`) for grad_input."""
     if w.stride(1) != 1:
         w = w.contiguous()
     if cublas and _kernels is not None and spec.fmt is not None and spec.block == BLOCK and spec.blockwise_padded:
         if torch.compiler.is_compiling():
-            return _kernels.quantize_blocks_op(w, spec.fmt.dtype, pow2, spec.pad, transpose, gluon)
-        return _kernels.quantize_blocks(w, spec.fmt, pow2, spec.pad, transpose, gluon=gluon)
+            return _kernels.quantize_blocks_op(w, spec.fmt.dtype, pow2, spec.pad, transpose)
+        return _kernels.quantize_blocks(w, spec.fmt, pow2, spec.pad, transpose)
     return quantize_operand(w.t() if transpose else w, spec, pow2)
 
 
@@ -141,7 +137,7 @@ def transpose_weight(data: Tensor, scale: Tensor, plan: LinearPlan, k: int) -> t
 def _quantize_input_impl(x: Tensor, plan: str, make_cols: bool, kernels: bool = True) -> tuple[Tensor, ...]:
     """Input rows (operand a of output) and, with `make_cols`, input.T (operand b of grad_weight)."""
     p = LinearPlan.parse(plan)
-    return _quantize_activation(x, p.x, p.x_t, p.pow2, make_cols, p.cublas and kernels, p.gluon)
+    return _quantize_activation(x, p.x, p.x_t, p.pow2, make_cols, p.cublas and kernels)
 
 
 def _forward_impl(x_rows: Tensor, x_rows_scale: Tensor, weight: Tensor, w: Tensor | None, w_scale: Tensor | None,
@@ -165,7 +161,7 @@ def _backward_impl(dy: Tensor, weight: Tensor, w: Tensor | None, w_scale: Tensor
                    dx_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """grad_output quantized (rows; cols when dW is wanted), then grad_input and grad_weight (FP32)."""
     p = LinearPlan.parse(plan)
-    g, g_scale, g_t, g_t_scale = _quantize_activation(dy, p.g, p.g_t, p.pow2, want_dw, p.cublas, p.gluon)
+    g, g_scale, g_t, g_t_scale = _quantize_activation(dy, p.g, p.g_t, p.pow2, want_dw, p.cublas)
     return _backward_gemms_impl(g, g_scale, g_t, g_t_scale, weight, w, w_scale, x_saved, x_saved_scale, plan, want_dx,
                                 want_dw, dx_dtype)
 
@@ -180,7 +176,7 @@ def _backward_gemms_impl(g: Tensor, g_scale: Tensor, g_t: Tensor, g_t_scale: Ten
     dx = dw = g.new_empty(0, dtype=torch.float32)
     if want_dx:
         w_t = transpose_weight(w, w_scale, p, weight.shape[1]) if w is not None else None
-        w_t = w_t or quantize_weight(weight, p.w_t, p.pow2, True, p.cublas, p.gluon)
+        w_t = w_t or quantize_weight(weight, p.w_t, p.pow2, True, p.cublas)
         # grad_input: dx [M, K] = dy [M, Np] @ W.T [K, Np].T
         dx = gemm(g, g_scale, p.g, *w_t, p.w_t, dx_dtype, p.cublas, p.deep_gemm)
     if want_dw:
@@ -214,10 +210,9 @@ def _quantize_swiglu_impl(g: Tensor, u: Tensor, plan: str, make_cols: bool,
     g, u = g.contiguous(), u.contiguous()
     if kernels and _swiglu_kernel_applies(p, p.x, p.x_t, g, u):
         if torch.compiler.is_compiling():
-            return _kernels.quantize_swiglu_op(g, u, p.x.fmt.dtype, p.x_t.fmt.dtype, p.pow2, p.x.pad, make_cols,
-                                               p.gluon)
-        return _kernels.quantize_swiglu(g, u, p.x.fmt, p.x_t.fmt, p.pow2, p.x.pad, make_cols, gluon=p.gluon)
-    return _quantize_activation(swiglu_reference(g, u), p.x, p.x_t, p.pow2, make_cols, p.cublas and kernels, p.gluon)
+            return _kernels.quantize_swiglu_op(g, u, p.x.fmt.dtype, p.x_t.fmt.dtype, p.pow2, p.x.pad, make_cols)
+        return _kernels.quantize_swiglu(g, u, p.x.fmt, p.x_t.fmt, p.pow2, p.x.pad, make_cols)
+    return _quantize_activation(swiglu_reference(g, u), p.x, p.x_t, p.pow2, make_cols, p.cublas and kernels)
 
 
 def _quantize_swiglu_grads_impl(dh: Tensor, g: Tensor, u: Tensor, plan: str, make_cols: bool,
@@ -230,11 +225,11 @@ def _quantize_swiglu_grads_impl(dh: Tensor, g: Tensor, u: Tensor, plan: str, mak
     if kernels and _swiglu_kernel_applies(p, p.g, p.g_t, dh, g, u):
         if torch.compiler.is_compiling():
             return _kernels.quantize_swiglu_grads_op(dh, g, u, p.g.fmt.dtype, p.g_t.fmt.dtype, p.pow2, p.g.pad,
-                                                     make_cols, p.gluon)
-        return _kernels.quantize_swiglu_grads(dh, g, u, p.g.fmt, p.g_t.fmt, p.pow2, p.g.pad, make_cols, gluon=p.gluon)
+                                                     make_cols)
+        return _kernels.quantize_swiglu_grads(dh, g, u, p.g.fmt, p.g_t.fmt, p.pow2, p.g.pad, make_cols)
     dg, du = swiglu_grads_reference(dh, g, u)
-    return (*_quantize_activation(dg, p.g, p.g_t, p.pow2, make_cols, p.cublas and kernels, p.gluon),
-            *_quantize_activation(du, p.g, p.g_t, p.pow2, make_cols, p.cublas and kernels, p.gluon))
+    return (*_quantize_activation(dg, p.g, p.g_t, p.pow2, make_cols, p.cublas and kernels),
+            *_quantize_activation(du, p.g, p.g_t, p.pow2, make_cols, p.cublas and kernels))
 
 
 # The custom ops: what torch.compile sees of the three entry points on CPU and with emulated GEMMs. Their

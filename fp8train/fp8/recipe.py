@@ -118,13 +118,6 @@ class Fp8Recipe:
     at the 7B projection shapes, 2% per training step (docs/benchmarks.md section 0a). grad_weight (tile x
     tile) stays on cuBLAS, which is faster there.
     Needs DeepGEMM installed; no effect where the GEMMs are emulated."""
-    gluon_kernels: bool = False
-    """The quantization launches that write a transposed FP8 copy (the 1x128 tile kernels' two-copy launches,
-    the SwiGLU producers' included, and W.T's) run the Gluon kernels of fp8train.fp8.gluon_kernels, whose
-    explicit layouts store the transposed copy from registers instead of byte by byte through shared memory:
-    the same bytes, 6-20% fewer SM90 instructions per launch; under torch.compile they are opaque ops (a
-    Python call per launch). Off until the H200 has timed them (a candidate; docs/benchmarks.md section 1);
-    no effect where the GEMMs are emulated."""
 
     @property
     def enabled(self) -> bool:
@@ -168,7 +161,6 @@ MODIFIERS = {  # `+name` in a recipe spec (`hybrid+exact+deep_gemm`): (Fp8Recipe
     "deep_gemm": ("deep_gemm", True),
     "fused": ("fuse_swiglu", True),
     "unfused": ("fuse_swiglu", False),
-    "gluon": ("gluon_kernels", True),
 }
 
 

@@ -8,7 +8,7 @@ clip 1.0 and a constant learning rate: the same training step written three time
 The bound. Two correct implementations of one step still differ by FP32 rounding (here: HF's fused AdamW vs
 our foreach one, TRL's chunked LM-head loss vs the model's own), i.e. by about one ulp of some weights
 after an update. How much that moves the loss after k steps is measured, not guessed: our own trainer is
-rerun with every initial weight moved by one ulp (random sign), giving d_k = |loss_k - loss'_k|. A
+rerun with every initial weight moved by one ulp (random sign, three draws), giving d_k = max |loss_k - loss'_k|. A
 correct integration must stay within 4 x max(d_1..d_k) + 4 ulps of the loss at step k. What the bound
 catches is shown too: an FP8 weight cache left open across optimizer steps falls far outside it.
 """
@@ -64,11 +64,11 @@ def setup(byte_tokenizer):
     return tok, rows, base, ordered
 
 
-def _ours(setup, tmp_path, perturb: float = 0.0) -> np.ndarray:
+def _ours(setup, tmp_path, perturb: float = 0.0, seed: int = 1) -> np.ndarray:
     tok, rows, base, _ = setup
     model = copy.deepcopy(base)
     if perturb:
-        g = torch.Generator().manual_seed(1)
+        g = torch.Generator().manual_seed(seed)
         with torch.no_grad():
             for p in model.parameters():
                 p.mul_(1 + perturb * torch.randn(p.shape, generator=g).sign())
@@ -81,15 +81,18 @@ def _ours(setup, tmp_path, perturb: float = 0.0) -> np.ndarray:
     return np.array([result.losses[s] for s in sorted(result.losses)])
 
 
-def _bound(losses: np.ndarray, moved: np.ndarray, factor: float) -> np.ndarray:
-    return factor * np.maximum.accumulate(np.abs(moved - losses)) + 4 * np.spacing(losses.astype(np.float32))
+def _bound(losses: np.ndarray, moved: list[np.ndarray], factor: float) -> np.ndarray:
+    d = np.max([np.abs(m - losses) for m in moved], axis=0)  # the largest of the perturbed runs' moves
+    return factor * np.maximum.accumulate(d) + 4 * np.spacing(losses.astype(np.float32))
 
 
 @pytest.fixture(scope="module")
 def reference(setup, tmp_path_factory):
     """fp8train's own per-step losses, and the bound derived from its one-ulp sensitivity (module docstring)."""
     losses = _ours(setup, tmp_path_factory.mktemp("ours"))
-    moved = _ours(setup, tmp_path_factory.mktemp("ours_ulp"), perturb=2.0**-23)
+    # one-ulp perturbations with three sign patterns: one draw under-reads the sensitivity (a CPU with AMX BF16
+    # matmuls put TRL's run at 1.15x a single draw's bound at step 3)
+    moved = [_ours(setup, tmp_path_factory.mktemp("ours_ulp"), perturb=2.0**-23, seed=s) for s in (1, 2, 3)]
     assert losses[-1] < losses[0] - 1.0  # it learns: the comparison is over a moving trajectory
     return losses, _bound(losses, moved, 4)
 
@@ -191,7 +194,7 @@ def test_trainer_with_torch_compile(setup, reference, tmp_path_factory):
     BF16 rounding errors (each up to 2^-9 relative) than eager mode. Its bound is therefore the sensitivity of
     our trainer to moving every initial weight by one such error (2^-9, random sign), with a factor 2."""
     ours = reference[0]
-    bound = _bound(ours, _ours(setup, tmp_path_factory.mktemp("ours_bf16"), perturb=2.0**-9), 2)
+    bound = _bound(ours, [_ours(setup, tmp_path_factory.mktemp("ours_bf16"), perturb=2.0**-9)], 2)
     torch._dynamo.reset()
     trainer = Trainer(model=_converted(setup), args=_args(output_dir=str(tmp_path_factory.mktemp("hf")),
                                                           torch_compile=True),

@@ -115,13 +115,6 @@ def _inverse(s, POW2: tl.constexpr):
 
 
 @triton.jit
-def _clip(q, FMT_MAX: tl.constexpr):
-    """q within +-FMT_MAX; NaN stays NaN, as torch.clamp keeps it."""
-    clipped = tl.minimum(tl.maximum(q, -FMT_MAX), FMT_MAX)
-    return tl.where(q != q, q, clipped)
-
-
-@triton.jit
 def _quant(x, inv):
     """x * inv (`_inverse` of the scale) in FP32: the value the store converts to the output's dtype. Inf
     scale -> inv 0 (finite elements -> 0, Inf/NaN elements -> NaN), NaN -> NaN. No clamp: with a power-of-two

@@ -249,14 +249,13 @@ def _producer_failures() -> list:
 
 
 def _resources(kernel) -> dict:
-    """Registers and stack bytes per thread, and the byte loads from shared memory (`LDS.U8`) in the code."""
+    """Registers and stack bytes per thread."""
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()
         out = subprocess.run([str(cuobjdump), "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
-        sass = subprocess.run([str(cuobjdump), "-sass", f.name], capture_output=True, text=True, check=True).stdout
-    return {**{k: int(v) for k, v in re.findall(r"(REG|STACK):(\d+)", out)}, "LDS.U8": sass.count("LDS.U8")}
+    return {k: int(v) for k, v in re.findall(r"(REG|STACK):(\d+)", out)}
 
 
 def compile_sm90() -> dict:

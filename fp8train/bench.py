@@ -397,4 +397,7 @@ def main(args: argparse.Namespace | list[str] | None = None) -> int:
                         with open(args.out, "a") as f:
                             f.write(json.dumps(r) + "\n")
     print("\n" + markdown_table(results), flush=True)
+    if args.memory and "cudagraphs" in args.modes:
+        print("\n--memory: no breakdown for the cudagraphs rows (the graphs' pools lie outside what it observes); "
+              "peaks only. --modes compiled gives the split.", flush=True)
     return 0 if results else 1

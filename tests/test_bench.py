@@ -62,6 +62,16 @@ def test_a_failing_variant_is_reported_not_fatal(capsys):
     assert rc == 1 and "FAILED" in out  # torchao is not installed on the CPU test machine
 
 
+def test_memory_under_cudagraphs_says_why_there_is_no_breakdown(capsys):
+    """--memory takes no breakdown under CUDA graphs; the run says so under its table instead of leaving it out."""
+    argv = ["--models", "tiny-qwen2", "--vocab", "512", "--seq", "64", "--device", "cpu", "--variants", "bf16",
+            "--steps", "1", "--warmup", "0", "--memory", "--modes"]
+    main(argv + ["eager"])
+    assert "no breakdown for the cudagraphs rows" not in capsys.readouterr().out
+    main(argv + ["eager", "cudagraphs"])  # cudagraphs on a CPU fails its case (reported); the note is the run's
+    assert "--memory: no breakdown for the cudagraphs rows" in capsys.readouterr().out
+
+
 def _evt(key, device, ms, annotation=False):
     return SimpleNamespace(key=key, device_type=device, self_device_time_total=ms * 1e3, is_user_annotation=annotation)
 

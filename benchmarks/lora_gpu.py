@@ -15,6 +15,7 @@ a recipe modifier of `fp8train.parse_recipe` applies too (`+deep_gemm`: the base
 DeepGEMM's kernel). Printed per recipe: ms/step and tokens/s (median over the steps after
 `--warmup`), peak GPU memory (whole run, model included), the loss of the first and last step, and what
 dynamo compiled: frames compiled, and recompilations with their first reasons (the target: none per step).
+`--profile` adds the CUDA kernel time of one more step by `fp8train bench`'s categories.
 """
 
 from __future__ import annotations
@@ -97,23 +98,34 @@ def run_one(recipe: str, a: argparse.Namespace, device: torch.device) -> dict:
     recompile_log.addHandler(handler)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    seconds, losses, warm = [], [], 0
+    def train_step(ids: torch.Tensor) -> float:
+        with cache_fp8_weights(model):
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    seconds, losses, warm, profile_ms = [], [], 0, None
     try:
         for step in range(a.warmup + a.steps):
-            ids = batches[step % 2]
             _sync(device)
             t0 = time.perf_counter()
-            with cache_fp8_weights(model):
-                with torch.autocast(device.type, dtype=torch.bfloat16):
-                    loss = model(input_ids=ids, labels=ids).loss
-                loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            losses.append(float(loss.detach()))
+            losses.append(train_step(batches[step % 2]))
             _sync(device)
             seconds.append(time.perf_counter() - t0)
             if step == a.warmup - 1:
                 warm = len(handler.messages)
+        if a.profile:  # one more step, untimed: kernel time by category (fp8train bench's categories)
+            from torch.profiler import ProfilerActivity, profile
+
+            from fp8train.bench import categorize_profile
+
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                train_step(batches[0])
+                _sync(device)
+            profile_ms = categorize_profile(prof)
     finally:
         frozen.close()
         recompile_log.removeHandler(handler)
@@ -128,6 +140,8 @@ def run_one(recipe: str, a: argparse.Namespace, device: torch.device) -> dict:
            "frames_compiled": frames.get("ok", 0), "recompiles": len(handler.messages),
            "recompiles_after_warmup": len(handler.messages) - warm,
            "recompile_reasons": [m.splitlines()[-1].strip()[:200] for m in handler.messages[:8]]}
+    if profile_ms is not None:
+        out["profile_ms"] = profile_ms
     del model, optimizer, batches
     gc.collect()
     if device.type == "cuda":
@@ -152,6 +166,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation)")
     p.add_argument("--no-compile", action="store_true", help="eager layers (the CPU test's default is compiled)")
     p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--profile", action="store_true", help="kernel time by category of one more step")
     p.add_argument("--out", type=Path, default=None, help="append one JSON line per recipe here")
     return fill_defaults(p.parse_args(argv), dict(seq=(64, 8192), steps=(2, 10)))
 
@@ -171,6 +186,12 @@ def main(argv=None) -> list[dict]:
         for reason in r["recompile_reasons"]:
             print(f"    recompiled: {reason}")
         append_jsonl(a.out, r)
+    profiled = [r for r in results if "profile_ms" in r]
+    if profiled:
+        cats = [c for c in dict.fromkeys(c for r in profiled for c in r["profile_ms"]) if c != "total"] + ["total"]
+        print("\nCUDA kernel time of one step, ms:\n\n| recipe | " + " | ".join(cats) + " |\n|" + "---|" * (len(cats) + 1))
+        for r in profiled:
+            print(f"| {r['recipe']} | " + " | ".join(f"{r['profile_ms'].get(c, 0.0):.1f}" for c in cats) + " |")
     by = {r["recipe"]: r for r in results}
     if "bf16" in by:
         for recipe, r in by.items():

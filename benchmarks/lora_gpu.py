@@ -15,7 +15,8 @@ a recipe modifier of `fp8train.parse_recipe` applies too (`+deep_gemm`: the base
 DeepGEMM's kernel). Printed per recipe: ms/step and tokens/s (median over the steps after
 `--warmup`), peak GPU memory (whole run, model included), the loss of the first and last step, and what
 dynamo compiled: frames compiled, and recompilations with their first reasons (the target: none per step).
-`--profile` adds the CUDA kernel time of one more step by `fp8train bench`'s categories.
+`--profile` adds the CUDA kernel time of one more step by `fp8train bench`'s categories (`--top-kernels N`:
+and its N slowest kernels).
 """
 
 from __future__ import annotations
@@ -107,7 +108,7 @@ def run_one(recipe: str, a: argparse.Namespace, device: torch.device) -> dict:
         optimizer.zero_grad(set_to_none=True)
         return float(loss.detach())
 
-    seconds, losses, warm, profile_ms = [], [], 0, None
+    seconds, losses, warm, profile_ms, top = [], [], 0, None, None
     try:
         for step in range(a.warmup + a.steps):
             _sync(device)
@@ -120,12 +121,13 @@ def run_one(recipe: str, a: argparse.Namespace, device: torch.device) -> dict:
         if a.profile:  # one more step, untimed: kernel time by category (fp8train bench's categories)
             from torch.profiler import ProfilerActivity, profile
 
-            from fp8train.bench import categorize_profile
+            from fp8train.bench import categorize_profile, top_kernel_times
 
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 train_step(batches[0])
                 _sync(device)
             profile_ms = categorize_profile(prof)
+            top = top_kernel_times(prof, a.top_kernels) if a.top_kernels else None
     finally:
         frozen.close()
         recompile_log.removeHandler(handler)
@@ -142,6 +144,8 @@ def run_one(recipe: str, a: argparse.Namespace, device: torch.device) -> dict:
            "recompile_reasons": [m.splitlines()[-1].strip()[:200] for m in handler.messages[:8]]}
     if profile_ms is not None:
         out["profile_ms"] = profile_ms
+    if top is not None:
+        out["top_kernels_ms"] = top
     del model, optimizer, batches
     gc.collect()
     if device.type == "cuda":
@@ -167,6 +171,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-compile", action="store_true", help="eager layers (the CPU test's default is compiled)")
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--profile", action="store_true", help="kernel time by category of one more step")
+    p.add_argument("--top-kernels", type=int, default=0, metavar="N", help="with --profile: the N slowest kernels too")
     p.add_argument("--out", type=Path, default=None, help="append one JSON line per recipe here")
     return fill_defaults(p.parse_args(argv), dict(seq=(64, 8192), steps=(2, 10)))
 
@@ -189,9 +194,14 @@ def main(argv=None) -> list[dict]:
     profiled = [r for r in results if "profile_ms" in r]
     if profiled:
         cats = [c for c in dict.fromkeys(c for r in profiled for c in r["profile_ms"]) if c != "total"] + ["total"]
-        print("\nCUDA kernel time of one step, ms:\n\n| recipe | " + " | ".join(cats) + " |\n|" + "---|" * (len(cats) + 1))
+        print("\nCUDA kernel time of one step, ms:\n\n| recipe | " + " | ".join(cats) + " |\n|"
+              + "---|" * (len(cats) + 1))
         for r in profiled:
             print(f"| {r['recipe']} | " + " | ".join(f"{r['profile_ms'].get(c, 0.0):.1f}" for c in cats) + " |")
+        for r in (r for r in profiled if r.get("top_kernels_ms")):
+            print(f"\nTop kernels, ms: {r['recipe']}\n\n| category | kernel | ms |\n|---|---|---|")
+            for cat, name, ms in r["top_kernels_ms"]:
+                print(f"| {cat} | `{name}` | {ms:.2f} |")
     by = {r["recipe"]: r for r in results}
     if "bf16" in by:
         for recipe, r in by.items():

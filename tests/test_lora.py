@@ -195,8 +195,8 @@ def test_lora_config_errors_name_the_key(tmp_path, byte_tokenizer, corpus):
 def test_lora_gpu_benchmark_script_runs_on_cpu(tmp_path):
     """benchmarks/lora_gpu.py (the lead's H200 run) in its CPU mode, eager (compiling on a CPU takes minutes)."""
     bench = load_benchmark("lora_gpu")
-    results = bench.main(["--device", "cpu", "--tiny", "--no-compile", "--warmup", "1", "--profile", "--out",
-                          str(tmp_path / "lora.jsonl")])
+    results = bench.main(["--device", "cpu", "--tiny", "--no-compile", "--warmup", "1", "--profile", "--top-kernels",
+                          "3", "--out", str(tmp_path / "lora.jsonl")])
     assert [r["recipe"] for r in results] == ["bf16", "hybrid"]
     assert all(r["profile_ms"]["total"] == 0.0 for r in results)  # one profiled step; no CUDA kernels on a CPU
     # r=16 on 2 layers: q, o 128->128; k, v 128->64; gate, up 128->256; down 256->128: r x (in + out) each

@@ -99,6 +99,7 @@ def run_one(recipe: str, a: argparse.Namespace, device: torch.device) -> dict:
     recompile_log.addHandler(handler)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+
     def train_step(ids: torch.Tensor) -> float:
         with cache_fp8_weights(model):
             with torch.autocast(device.type, dtype=torch.bfloat16):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -242,8 +242,7 @@ def run_eval(cfg: EvalConfig) -> dict:
     convs = [([{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else [])
              + [{"role": "user", "content": _user_message(p, cfg)}] for p in problems]
     prompts = render_prompts(tokenizer, convs, cfg.chat_template, cfg.force_think)
-    sampling = SamplingConfig(cfg.samples, cfg.temperature, cfg.top_p, cfg.max_new_tokens, cfg.batch_size,
-                              cfg.greedy, cfg.seed)
+    sampling = SamplingConfig(**{f.name: getattr(cfg, f.name) for f in fields(SamplingConfig)})  # same-named keys
     on_cpu = backend == "hf" and not torch.cuda.is_available()
     with cpu_threads(cfg.cpu_threads if on_cpu else None):
         completions = generate(model, tokenizer, prompts, sampling, backend,

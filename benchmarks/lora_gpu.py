@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from fp8train import cache_fp8_weights, convert_to_fp8, freeze_fp8_weights, parse_recipe
+from fp8train.bench import categorize_profile, top_kernel_times, top_kernels_table
 from fp8train.fp8.recipe import MODIFIERS
 from fp8train.train.lora import LoraConfig, apply_lora
 from fp8train.train.model import PRESETS, parallelize_model
@@ -122,8 +123,6 @@ def run_one(recipe: str, a: argparse.Namespace, device: torch.device) -> dict:
         if a.profile:  # one more step, untimed: kernel time by category (fp8train bench's categories)
             from torch.profiler import ProfilerActivity, profile
 
-            from fp8train.bench import categorize_profile, top_kernel_times
-
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 train_step(batches[0])
                 _sync(device)
@@ -200,9 +199,7 @@ def main(argv=None) -> list[dict]:
         for r in profiled:
             print(f"| {r['recipe']} | " + " | ".join(f"{r['profile_ms'].get(c, 0.0):.1f}" for c in cats) + " |")
         for r in (r for r in profiled if r.get("top_kernels_ms")):
-            print(f"\nTop kernels, ms: {r['recipe']}\n\n| category | kernel | ms |\n|---|---|---|")
-            for cat, name, ms in r["top_kernels_ms"]:
-                print(f"| {cat} | `{name}` | {ms:.2f} |")
+            print("\n".join(top_kernels_table(r["recipe"], r["top_kernels_ms"])))
     by = {r["recipe"]: r for r in results}
     if "bf16" in by:
         for recipe, r in by.items():

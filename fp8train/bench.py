@@ -42,8 +42,8 @@ import torch
 
 from .fp8.recipe import MODIFIERS, parse_recipe
 
-__all__ = ["BenchCase", "run_case", "parse_variant", "categorize_profile", "top_kernel_times", "memory_breakdown",
-           "markdown_table", "main"]
+__all__ = ["BenchCase", "run_case", "parse_variant", "categorize_profile", "top_kernel_times", "top_kernels_table",
+           "memory_breakdown", "markdown_table", "main"]
 
 VARIANTS = ("bf16", "hybrid", "tensorwise", "torchao-tensorwise", "torchao-rowwise")
 MODES = ("eager", "compiled", "cudagraphs")
@@ -120,6 +120,12 @@ def top_kernel_times(prof, n: int) -> list[tuple[str, str, float]]:
     rows = [(next(cat for cat, pat in _KERNEL_CATEGORIES if re.search(pat, name.lower())), name[:120], t)
             for name, t in _kernel_events(prof)]
     return sorted(rows, key=lambda r: -r[2])[:n]
+
+
+def top_kernels_table(title: str, rows: list[tuple[str, str, float]]) -> list[str]:
+    """`top_kernel_times`' rows as a markdown table under "Top kernels, ms: title" (lines, a blank one first)."""
+    return (["", f"Top kernels, ms: {title}", "", "| category | kernel | ms |", "|---|---|---|"]
+            + [f"| {c} | `{k}` | {t:.2f} |" for c, k, t in rows])
 
 
 def memory_breakdown(trainer, batches: list[dict]) -> dict[str, float]:
@@ -327,9 +333,8 @@ def markdown_table(results: list[dict]) -> str:
         lines += ["", f"Peak memory by kind, GiB: {r['model']}/{r['layers']} {r['seq']} {r['mode']} {r['variant']}", "",
                   "| kind | GiB |", "|---|---|"] + [f"| {k} | {v:.2f} |" for k, v in r["memory_gib"].items()]
     for r in (r for r in results if "top_kernels_ms" in r):
-        lines += ["", f"Top kernels, ms: {r['model']}/{r['layers']} {r['seq']} {r['mode']} {r['variant']}", "",
-                  "| category | kernel | ms |", "|---|---|---|"] + [f"| {c} | `{k}` | {t:.2f} |"
-                                                                 for c, k, t in r["top_kernels_ms"]]
+        lines += top_kernels_table(f"{r['model']}/{r['layers']} {r['seq']} {r['mode']} {r['variant']}",
+                                   r["top_kernels_ms"])
     return "\n".join(lines)
 
 

@@ -83,22 +83,22 @@ class BenchCase:
 
 
 def _kernel_events(prof):
-    """(name, ms) of the CUDA kernels of a torch.profiler run. A CPU op's device time is its kernels' time
-    again, and a GPU user annotation (such as torch's `Optimizer.step#AdamW.step`, whose "device time" is
+    """(name, ms, launches) of the CUDA kernels of a torch.profiler run. A CPU op's device time is its kernels'
+    time again, and a GPU user annotation (such as torch's `Optimizer.step#AdamW.step`, whose "device time" is
     the span of the kernels inside it) is not a kernel: both are left out."""
     from torch.autograd import DeviceType
 
     for evt in prof.key_averages():
         t = evt.self_device_time_total / 1e3
         if evt.device_type != DeviceType.CPU and t > 0 and not getattr(evt, "is_user_annotation", False):
-            yield evt.key, t
+            yield evt.key, t, evt.count
 
 
 def categorize_profile(prof) -> dict[str, float]:
     """CUDA kernel time (ms) of a torch.profiler run by category (`_kernel_events`). FP8 GEMMs are told by
     the kernel's name, not by the op that launched it: a CUDA graph replay records kernels without their ops."""
     out: dict[str, float] = defaultdict(float, {"fp8 gemm": 0.0, "bf16/fp32 gemm": 0.0})
-    for key, t in _kernel_events(prof):
+    for key, t, _ in _kernel_events(prof):
         name = key.lower()
         cat = next(cat for cat, pat in _KERNEL_CATEGORIES if re.search(pat, name))
         if cat == "gemm":
@@ -115,17 +115,19 @@ def _convert_torchao(model, recipe: str) -> None:
                                module_filter_fn=lambda mod, fqn: fqn != "lm_head")
 
 
-def top_kernel_times(prof, n: int) -> list[tuple[str, str, float]]:
-    """The n CUDA kernels with the most device time in the profile: (category, name, ms)."""
-    rows = [(next(cat for cat, pat in _KERNEL_CATEGORIES if re.search(pat, name.lower())), name[:120], t)
-            for name, t in _kernel_events(prof)]
+def top_kernel_times(prof, n: int) -> list[tuple[str, str, float, int]]:
+    """The n CUDA kernels with the most device time in the profile: (category, name, ms, launches)."""
+    rows = [(next(cat for cat, pat in _KERNEL_CATEGORIES if re.search(pat, name.lower())), name[:120], t, calls)
+            for name, t, calls in _kernel_events(prof)]
     return sorted(rows, key=lambda r: -r[2])[:n]
 
 
-def top_kernels_table(title: str, rows: list[tuple[str, str, float]]) -> list[str]:
-    """`top_kernel_times`' rows as a markdown table under "Top kernels, ms: title" (lines, a blank one first)."""
-    return (["", f"Top kernels, ms: {title}", "", "| category | kernel | ms |", "|---|---|---|"]
-            + [f"| {c} | `{k}` | {t:.2f} |" for c, k, t in rows])
+def top_kernels_table(title: str, rows: list[tuple[str, str, float, int]]) -> list[str]:
+    """`top_kernel_times`' rows as a markdown table under "Top kernels, ms: title" (lines, a blank one first),
+    with each kernel's launches and mean time per launch."""
+    return (["", f"Top kernels, ms: {title}", "", "| category | kernel | ms | launches | us each |",
+             "|---|---|---|---|---|"]
+            + [f"| {c} | `{k}` | {t:.2f} | {n} | {1e3 * t / n:.1f} |" for c, k, t, n in rows])
 
 
 def memory_breakdown(trainer, batches: list[dict]) -> dict[str, float]:

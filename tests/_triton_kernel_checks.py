@@ -189,12 +189,13 @@ def _launch_argument_failures() -> list:
             tq.quantize_tiles_and_transpose(x, fmt, fmt, True, 512, cols=cols)
             tq.quantize_swiglu(x, x * 2, fmt, fmt, True, 512, cols=cols)
             tq.quantize_swiglu_grads(x, x * 2, x * 3, fmt, fmt, True, 512, cols=cols)
+        tq.quantize_swiglu(x, x * 2, fmt, fmt, True, 512, rows=False)  # h.T alone (`h_t_in_backward`)
         for transpose in (False, True):
             tq.quantize_blocks(torch.randn(256, 384), fmt, True, 512, transpose=transpose)
     finally:
         tq._launcher = real
     failures = [f"{name}: a tensor passed twice" for name, ts in launches if len({id(t) for t in ts}) != len(ts)]
-    return failures + ([] if len(launches) == 10 else [f"{len(launches)} launches recorded, 10 expected"])
+    return failures + ([] if len(launches) == 11 else [f"{len(launches)} launches recorded, 11 expected"])
 
 
 def _truncate_to_bf16(x):
@@ -235,7 +236,7 @@ def _producer_failures() -> list:
         # the torch ops that torch.compile traces (triton ops, their own schemas: a clash with ops.py's custom
         # op names once replaced them) compute the same bytes
         e4m3 = torch.float8_e4m3fn
-        as_ops = (*tq.quantize_swiglu_op(g, u, e4m3, e4m3, pow2, 512, True),
+        as_ops = (*tq.quantize_swiglu_op(g, u, e4m3, e4m3, pow2, 512, True, True),
                   *tq.quantize_swiglu_grads_op(dh, g, u, e4m3, e4m3, pow2, 512, True))
         direct = (*tq.quantize_swiglu(g, u, fmt, fmt, pow2, 512),
                   *tq.quantize_swiglu_grads(dh, g, u, fmt, fmt, pow2, 512))
@@ -245,6 +246,10 @@ def _producer_failures() -> list:
         rows_only = tq.quantize_swiglu(g, u, fake, fake, pow2, 512, cols=False)
         if not (torch.equal(rows_only[0], got["h"][0]) and rows_only[2].numel() == rows_only[3].numel() == 0):
             failures.append(f"h rows only pow2={pow2}")
+        cols_only = tq.quantize_swiglu(g, u, fake, fake, pow2, 512, rows=False)
+        if not (torch.equal(_bits(cols_only[2]), _bits(got["h"][2])) and torch.equal(cols_only[3], got["h"][3])
+                and cols_only[0].numel() == cols_only[1].numel() == 0):
+            failures.append(f"h cols only pow2={pow2}")
     return failures
 
 
@@ -271,18 +276,20 @@ def compile_sm90() -> dict:
                  ld_s="i32")
     out = {}
     for pow2 in (True, False):  # power-of-two scales (the default) and exact ones
-        for cols in (True, False):
-            for name, producer in (("activation", 0), ("swiglu h", 1), ("swiglu dg", 2), ("swiglu du", 3)):
-                consts = dict(ROW_MAX=448.0, COL_MAX=448.0, POW2=pow2, COLS=cols, BF16=True, BLOCK=128,
-                              PRODUCER=producer)
-                # the pointers a launch does not use are None, as `_quantize_tiles` passes them
-                unused = {"y_ptr": producer == 0, "z_ptr": producer != 2, "qc_ptr": not cols, "sc_ptr": not cols}
-                consts.update({n: None for n, none in unused.items() if none})
-                act_sig = {n: act_types.get(n, "constexpr") if n not in consts else "constexpr"
-                           for n in tq._act_kernel.arg_names}
-                k = triton.compile(ASTSource(tq._act_kernel, act_sig, consts, aligned), target=target,
-                                   options={"num_warps": tq._NUM_WARPS})
-                out[f"{name} pow2={pow2} cols={cols}"] = _resources(k)
+        launches = [(name, producer, True, cols) for cols in (True, False) for name, producer in
+                    (("activation", 0), ("swiglu h", 1), ("swiglu dg", 2), ("swiglu du", 3))]
+        for name, producer, rows, cols in launches + [("swiglu h.T", 1, False, True)]:
+            consts = dict(ROW_MAX=448.0, COL_MAX=448.0, POW2=pow2, ROWS=rows, COLS=cols, BF16=True, BLOCK=128,
+                          PRODUCER=producer)
+            # the pointers a launch does not use are None, as `_quantize_tiles` passes them
+            unused = {"y_ptr": producer == 0, "z_ptr": producer != 2, "qc_ptr": not cols, "sc_ptr": not cols,
+                      "qr_ptr": not rows, "sr_ptr": not rows}
+            consts.update({n: None for n, none in unused.items() if none})
+            act_sig = {n: act_types.get(n, "constexpr") if n not in consts else "constexpr"
+                       for n in tq._act_kernel.arg_names}
+            k = triton.compile(ASTSource(tq._act_kernel, act_sig, consts, aligned), target=target,
+                               options={"num_warps": tq._NUM_WARPS})
+            out[f"{name} pow2={pow2} rows={rows} cols={cols}"] = _resources(k)
         for transpose in (False, True):
             consts = dict(FMT_MAX=448.0, POW2=pow2, BF16=False, TRANSPOSE=transpose, BLOCK=128)
             k = triton.compile(ASTSource(tq._weight_kernel, w_sig, consts, aligned), target=target,

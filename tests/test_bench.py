@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 from torch.autograd import DeviceType
 
-from fp8train.bench import categorize_profile, main, markdown_table
+from fp8train.bench import categorize_profile, main, markdown_table, top_kernel_times, top_kernels_table
 
 
 def test_bench_runs_every_variant_in_one_harness(capsys):
@@ -72,8 +72,9 @@ def test_memory_under_cudagraphs_says_why_there_is_no_breakdown(capsys):
     assert "--memory: no breakdown for the cudagraphs rows" in capsys.readouterr().out
 
 
-def _evt(key, device, ms, annotation=False):
-    return SimpleNamespace(key=key, device_type=device, self_device_time_total=ms * 1e3, is_user_annotation=annotation)
+def _evt(key, device, ms, annotation=False, count=1):
+    return SimpleNamespace(key=key, device_type=device, self_device_time_total=ms * 1e3, is_user_annotation=annotation,
+                           count=count)
 
 
 def test_profile_counts_kernels_once_and_splits_fp8_gemms_by_kernel_name():
@@ -85,7 +86,7 @@ def test_profile_counts_kernels_once_and_splits_fp8_gemms_by_kernel_name():
                     _evt("nvjet_sm90_tst_128x256_64x4_1x2_h_bz_coopB_TNT", cuda, 5.0),  # BF16 operands
                     _evt("nvjet_sm90_qqtst_128x128_128x6_2x1_v_bz_coopA_algo2_Ablk128_Bvec128_TNN", cuda, 2.0),
                     _evt("sm90_xmma_gemm_e4m3bf16_e4m3f32_f32_tn_n", cuda, 1.0),
-                    _evt("_act_kernel", cuda, 1.0), _evt("pytorch_flash::flash_fwd_kernel", cuda, 2.0),
+                    _evt("_act_kernel", cuda, 1.0, count=8), _evt("pytorch_flash::flash_fwd_kernel", cuda, 2.0),
                     _evt("multi_tensor_apply_kernel<Adam>", cuda, 0.5), _evt("triton_red_fused_rms", cuda, 0.25),
                     _evt("Optimizer.step#AdamW.step", cuda, 0.5, annotation=True)]  # spans the Adam kernel
 
@@ -102,6 +103,9 @@ def test_profile_counts_kernels_once_and_splits_fp8_gemms_by_kernel_name():
                               "step_ms_range": [1.94, 2.31], "tokens_per_s": 4.0, "tflops": 1.0, "mfu_bf16_peak": 0.1,
                               "peak_mem_gib": 1.0, "loss_first": 1.0, "loss_last": 0.5}])
     assert "| bf16 | 2.0 (1.9-2.3) | 4 |" in ranged
+    top = top_kernel_times(Prof(), 3)  # by time; the launches and the mean per launch beside it
+    assert [(c, t) for c, _, t, _ in top] == [("gemm", 5.0), ("gemm", 2.0), ("attention", 2.0)]
+    assert "| quantization | `_act_kernel` | 1.00 | 8 | 125.0 |" in top_kernels_table("t", top_kernel_times(Prof(), 9))
 
 
 def test_gemm_backends_table_routes_grad_weight_to_cublas():

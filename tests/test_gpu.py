@@ -391,6 +391,9 @@ def test_fused_swiglu_kernels_equal_torch_on_cuda():
             assert differ <= 1e-4 * a.numel(), f"{name} {what}: {differ} of {a.numel()} differ"
     rows_only = _ops.quantize_swiglu(g, u, plan, False)
     assert torch.equal(rows_only[0].view(torch.uint8), gots[0][0].view(torch.uint8)) and rows_only[2].numel() == 0
+    cols_only = _ops.quantize_swiglu(g, u, plan, True, make_rows=False)  # h.T alone (`h_t_in_backward`)
+    assert torch.equal(cols_only[2].view(torch.uint8), gots[0][2].view(torch.uint8))
+    assert torch.equal(cols_only[3], gots[0][3]) and cols_only[0].numel() == cols_only[1].numel() == 0
 
 
 @pytest.mark.parametrize("fp8_inputs", [False, True])
@@ -412,6 +415,17 @@ def test_fused_swiglu_mlp_on_cuda(fp8_inputs):
         assert _sqnr(a, b) > 30, (i, _sqnr(a, b))
 
 
+def test_h_t_in_backward_on_cuda():
+    """`h_t_in_backward` on CUDA: the down projection's h.T made in the backward from g and u gives the
+    forward-made operand's output and gradients bit for bit, eagerly and compiled by inductor."""
+    x = torch.randn(2, 1000, 1536, device="cuda")
+    x[:, 0] *= 30
+    for compiled in (False, True):
+        runs = [_run_qwen2_mlp(x, make_recipe("hybrid", h_t_in_backward=on), compiled) for on in (False, True)]
+        for i, (a, b) in enumerate(zip(*runs)):
+            assert torch.equal(a, b), (compiled, i)
+
+
 @pytest.mark.parametrize("fuse", [False, True])
 def test_compiled_model_launches_the_fp8_kernels_from_inductor_code(fuse):
     """On CUDA the FP8 pieces are traced into the graph: inductor's generated code launches the Triton
@@ -429,7 +443,8 @@ def test_compiled_model_launches_the_fp8_kernels_from_inductor_code(fuse):
     cfg = Qwen2Config(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=1,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
     model = Qwen2ForCausalLM(cfg).cuda()
-    convert_to_fp8(model, make_recipe("hybrid", fuse_swiglu=fuse))
+    recipe = make_recipe("hybrid", fuse_swiglu=fuse)
+    convert_to_fp8(model, recipe)
     compiled = torch.compile(model, options=compile_options())
     ids = torch.randint(0, 1024, (1, 512), device="cuda")
 
@@ -445,8 +460,10 @@ def test_compiled_model_launches_the_fp8_kernels_from_inductor_code(fuse):
     assert "fp8train." not in code, "an opaque fp8train op is left in the compiled code"
     # forward: inputs of q/k/v (one), o, gate/up (one), down (fused: made from g and u); backward: the 7
     # grad_outputs (fused: gate's and up's made from dh, g, u). Weights: W in the forward, W.T in the
-    # backward (no FP8 copy of the weight is kept between them)
-    assert counts == {"_act_kernel": 4 + 7, "_weight_kernel": 7 + 7}, counts
+    # backward (no FP8 copy of the weight is kept between them); with `h_t_in_backward` one more launch makes
+    # down's h.T in the backward
+    h_t = int(fuse and recipe.h_t_in_backward)
+    assert counts == {"_act_kernel": 4 + 7 + h_t, "_weight_kernel": 7 + 7}, counts
     assert len(re.findall(r"_scaled_mm", code)) >= 21, "7 Linears x 3 GEMMs on cuBLAS"
 
 

@@ -338,24 +338,3 @@ def test_deep_gemm_missing_is_one_clear_error():
     gemm_module.load_deep_gemm.cache_clear()
     with pytest.raises(ValueError, match="config key 'deep_gemm' is true but DeepGEMM does not import"):
         gemm_module.load_deep_gemm()
-
-
-@pytest.mark.parametrize("wgrad_from_fp8", [False, True])
-def test_forward_quantized_is_the_forward_from_given_operands(wgrad_from_fp8):
-    """`forward_quantized` (the input's operands made by a producer, a stand-in for the input) computes the
-    forward's output, grad_input and weight and bias gradients bit for bit; the stand-in's values are never
-    read (it holds none: zero strides)."""
-    from dataclasses import replace
-
-    recipe = replace(make_recipe("hybrid"), wgrad_input_from_fp8=wgrad_from_fp8)
-    _, m, x, g = _setup(recipe)
-    ref = _run(m, x, g)
-    m.zero_grad(set_to_none=True)
-    plan = m.plan(x)
-    operands = ops.quantize_input(x.reshape(-1, x.shape[-1]), plan, not wgrad_from_fp8)
-    stand_in = torch.empty(()).expand(x.shape).requires_grad_()
-    y = m.forward_quantized(stand_in, *operands)
-    y.backward(g)
-    got = (y.detach(), stand_in.grad, m.weight.grad, m.bias.grad)
-    for a, b in zip(got, ref):
-        assert torch.equal(a, b)

@@ -320,3 +320,54 @@ def test_fused_mlp_saves_less_for_backward_eagerly():
 
     tokens, inter, layers = ids.numel(), 256, 2
     assert saved_bytes(UNFUSED) - saved_bytes(FUSED) >= 2 * tokens * inter * layers
+
+
+@pytest.mark.parametrize("recipe", ["hybrid", "hybrid+wgrad_from_fp8", "hybrid+swiglu_fp8", "tensorwise+fused"])
+def test_h_t_in_backward_same_numbers_less_saved(recipe):
+    """`h_t_in_backward` makes the down projection's grad_weight operand in the backward from the saved g and u:
+    logits and every gradient equal the forward-made operand's bit for bit, eagerly and compiled, and the
+    forward saves 1 byte per token and intermediate feature and layer less (the FP8 h.T). Where g and u are
+    saved in FP8, or h.T comes from h's FP8 rows (`wgrad_input_from_fp8`), the knob changes nothing."""
+    from dataclasses import replace
+
+    from fp8train import parse_recipe
+
+    base = parse_recipe(recipe)
+    ids = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(8))
+    runs, saved = {}, {}
+    for later in (False, True):
+        model = tiny()
+        convert_to_fp8(model, replace(base, h_t_in_backward=later))
+        runs[later] = _step(model, ids)
+        runs[later, "compiled"] = _step(model, ids, "aot_eager")
+        sizes = []
+
+        def pack(t):
+            sizes.append(t.numel() * t.element_size())
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", torch.bfloat16):
+            model(input_ids=ids, labels=ids)
+        saved[later] = sum(sizes)
+    for a, b in ((False, True), ((False, "compiled"), (True, "compiled"))):
+        (la, ga), (lb, gb) = runs[a], runs[b]
+        assert torch.equal(la, lb) and ga.keys() == gb.keys(), b
+        assert all(torch.equal(ga[n], gb[n]) for n in ga), b
+    tokens, inter, layers = ids.numel(), 256, 2
+    if recipe in ("hybrid", "tensorwise+fused"):
+        assert saved[False] - saved[True] >= tokens * inter * layers, saved
+    else:
+        assert saved[False] == saved[True], saved
+
+
+def test_h_t_in_backward_config_key(tmp_path, byte_tokenizer, corpus):
+    """The trainer's `h_t_in_backward` reaches the recipe (null: the recipe's default) and is free to change on
+    resume (the same numbers)."""
+    from fp8train.train.resume import _FREE
+    from fp8train.train.trainer import Trainer
+    from test_trainer import tiny_config
+
+    assert "h_t_in_backward" in _FREE
+    for key, want in ((None, make_recipe("hybrid").h_t_in_backward), ("true", True), ("false", False)):
+        cfg = tiny_config(tmp_path / str(key), byte_tokenizer, corpus, **({"h_t_in_backward": key} if key else {}))
+        trainer = Trainer(cfg, progress=False)
+        assert trainer.model.model.layers[0].mlp.recipe.h_t_in_backward is want, key

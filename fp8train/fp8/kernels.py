@@ -161,12 +161,13 @@ def _act_kernel(
     qc_ptr, sc_ptr, Mp,        # cols copy [K, Mp], scales [Mp/128, K]
     y_ptr, z_ptr,              # the producer's other inputs (x's shape and strides)
     ROW_MAX: tl.constexpr, COL_MAX: tl.constexpr,  # the copies' dtypes are their pointers'
-    POW2: tl.constexpr, COLS: tl.constexpr, BF16: tl.constexpr, BLOCK: tl.constexpr, PRODUCER: tl.constexpr,
+    POW2: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, BF16: tl.constexpr, BLOCK: tl.constexpr,
+    PRODUCER: tl.constexpr,
 ):
     """Quantizes a tile of x itself (PRODUCER 0), of h = silu(g) * u (1: the down projection's input, made
     here from the gate and up outputs, never written in BF16), of the SwiGLU's input gradient dg (2: from dh,
-    g, u) or du (3: from dh, g). (dg and du in one launch, reading dh and g once, measured slower: the two
-    tiles need twice the registers.)"""
+    g, u) or du (3: from dh, g), into the rows copy (ROWS), the cols copy (COLS) or both. (dg and du in one
+    launch, reading dh and g once, measured slower: the two tiles need twice the registers.)"""
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = pid_m * BLOCK + tl.arange(0, BLOCK)
@@ -191,15 +192,16 @@ def _act_kernel(
         x = x.to(tl.float32)
     # both amaxes first, so that the |x| bit patterns die before the quantized copies are made
     ax = _abs_bits(x, BF16)
-    amax_r = _amax_bits(ax, 1, BF16)  # one per (token, 128 features)
+    if ROWS:
+        amax_r = _amax_bits(ax, 1, BF16)  # one per (token, 128 features)
     if COLS:
         amax_c = _amax_bits(ax, 0, BF16)  # one per (feature, 128 tokens)
-    s_r = _scale_from_amax_bits(amax_r, ROW_MAX, POW2)
-
-    q_r = _quant(x, _inverse(s_r, POW2)[:, None])
-    tl.store(qr_ptr + offs_m[:, None] * Kp + offs_k[None, :], q_r.to(qr_ptr.dtype.element_ty),
-             mask=in_m[:, None] & (offs_k < Kp)[None, :])
-    tl.store(sr_ptr + pid_k * M + offs_m, s_r, mask=in_m & (pid_k * BLOCK < Kp))
+    if ROWS:
+        s_r = _scale_from_amax_bits(amax_r, ROW_MAX, POW2)
+        q_r = _quant(x, _inverse(s_r, POW2)[:, None])
+        tl.store(qr_ptr + offs_m[:, None] * Kp + offs_k[None, :], q_r.to(qr_ptr.dtype.element_ty),
+                 mask=in_m[:, None] & (offs_k < Kp)[None, :])
+        tl.store(sr_ptr + pid_k * M + offs_m, s_r, mask=in_m & (pid_k * BLOCK < Kp))
 
     if COLS:  # the cols copy is stored transposed, [K, Mp]
         # dg's cols scales divide, as the reference does (the same numbers): with the division's slow-path call
@@ -250,23 +252,27 @@ def _launcher(kernel, traced: bool):
 
 
 def ops_layout(out, like: torch.Tensor) -> tuple:
-    """(rows data, scale view, cols data or None, scale view or None) in the ops' layout: the scales as their
-    contiguous [blocks, rows] buffers, a missing cols copy as empty tensors."""
-    qr, sr, qc, sc = out
-    if qc is None:
-        return qr, sr.t(), like.new_empty(0, dtype=torch.uint8), like.new_empty(0, dtype=torch.float32)
-    return qr, sr.t(), qc, sc.t()
+    """(rows data, scale view, cols data, scale view), each copy None where not made, in the ops' layout: the
+    scales as their contiguous [blocks, rows] buffers, a missing copy as empty tensors."""
+    def copy(q, s):
+        if q is None:
+            return like.new_empty(0, dtype=torch.uint8), like.new_empty(0, dtype=torch.float32)
+        return q, s.t()
+
+    return (*copy(*out[:2]), *copy(*out[2:]))
 
 
 def _quantize_tiles(x2d, others, producer: int, row_fmt, col_fmt, pow2: bool, pad: int, cols: bool,
-                    num_warps: int | None, traced: bool) -> tuple:
+                    num_warps: int | None, traced: bool, rows: bool = True) -> tuple:
     """One launch of `_act_kernel` over x2d [M, K] (and `others`, the producer's other inputs, of its shape):
-    (rows data, rows scale view, cols data or None, cols scale view or None)."""
+    (rows data, rows scale view, cols data, cols scale view), None for a copy not made."""
+    if not (rows or cols):
+        raise ValueError("_quantize_tiles: neither copy asked for")
     M, K = x2d.shape
     Kp, Mp = round_up(K, pad), round_up(M, pad)
     dev = x2d.device
-    qr = torch.empty(M, Kp, dtype=row_fmt.dtype, device=dev)
-    sr = torch.empty(Kp // _SIDE, M, dtype=torch.float32, device=dev)
+    qr = torch.empty(M, Kp, dtype=row_fmt.dtype, device=dev) if rows else None
+    sr = torch.empty(Kp // _SIDE, M, dtype=torch.float32, device=dev) if rows else None
     if cols:
         qc = torch.empty(K, Mp, dtype=col_fmt.dtype, device=dev)
         sc = torch.empty(Mp // _SIDE, K, dtype=torch.float32, device=dev)
@@ -280,10 +286,10 @@ def _quantize_tiles(x2d, others, producer: int, row_fmt, col_fmt, pow2: bool, pa
     y, z = (*others, None, None)[:2]
     _launcher(_act_kernel, traced)[grid](
         x2d, M, K, x2d.stride(0), qr, sr, Kp, qc, sc, Mp, y, z, ROW_MAX=row_fmt.max, COL_MAX=col_fmt.max,
-        POW2=pow2, BF16=x2d.dtype == torch.bfloat16, PRODUCER=producer, COLS=cols, BLOCK=_SIDE,
+        POW2=pow2, BF16=x2d.dtype == torch.bfloat16, PRODUCER=producer, ROWS=rows, COLS=cols, BLOCK=_SIDE,
         num_warps=num_warps or _NUM_WARPS,
     )
-    return (qr, sr.t(), qc, sc.t()) if cols else (qr, sr.t(), None, None)
+    return (qr, sr.t() if rows else None, qc, sc.t() if cols else None)
 
 
 def quantize_tiles_and_transpose(x2d, row_fmt, col_fmt, pow2: bool, pad: int, cols: bool = True,
@@ -297,11 +303,11 @@ def quantize_tiles_and_transpose(x2d, row_fmt, col_fmt, pow2: bool, pad: int, co
 
 
 def quantize_swiglu(g, u, row_fmt, col_fmt, pow2: bool, pad: int, cols: bool = True, num_warps: int | None = None,
-                    _traced: bool = False):
+                    _traced: bool = False, rows: bool = True):
     """The tiles of h = silu(g) * u from BF16 g, u [M, I], without h ever being written: (rows data, rows
     scale [Ip/128, M], cols data, cols scale [Mp/128, I]), the scales as buffers in the ops' layout (not the
-    views `quantize_tiles_and_transpose` returns); no cols: empty tensors."""
-    return ops_layout(_quantize_tiles(g, (u,), 1, row_fmt, col_fmt, pow2, pad, cols, num_warps, _traced), g)
+    views `quantize_tiles_and_transpose` returns); a copy not made (`rows`, `cols` False): empty tensors."""
+    return ops_layout(_quantize_tiles(g, (u,), 1, row_fmt, col_fmt, pow2, pad, cols, num_warps, _traced, rows), g)
 
 
 def quantize_swiglu_grads(dh, g, u, row_fmt, col_fmt, pow2: bool, pad: int, cols: bool = True,
@@ -348,8 +354,8 @@ def quantize_tiles_op(x2d: torch.Tensor, row_dtype: torch.dtype, col_dtype: torc
 
 @torch.library.triton_op("fp8train::quantize_swiglu_tiles", mutates_args=())
 def quantize_swiglu_op(g: torch.Tensor, u: torch.Tensor, row_dtype: torch.dtype, col_dtype: torch.dtype, pow2: bool,
-                       pad: int, cols: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return quantize_swiglu(g, u, _FORMATS[row_dtype], _FORMATS[col_dtype], pow2, pad, cols, _traced=True)
+                       pad: int, rows: bool, cols: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return quantize_swiglu(g, u, _FORMATS[row_dtype], _FORMATS[col_dtype], pow2, pad, cols, _traced=True, rows=rows)
 
 
 @torch.library.triton_op("fp8train::quantize_swiglu_grad_tiles", mutates_args=())

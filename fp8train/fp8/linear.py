@@ -260,22 +260,14 @@ class FP8Linear(nn.Linear):
         (with the plan's `x_t_from_fp8` it is made in the backward from the saved FP8 rows)."""
         return self.computes_grad_weight() and not plan.x_t_from_fp8
 
-    def forward_quantized(self, x: Tensor, x_rows: Tensor, x_rows_scale: Tensor, x_t: Tensor,
-                          x_t_scale: Tensor) -> Tensor:
-        """The forward from the input's operands made by its producer (`ops.quantize_swiglu`: rows, and
-        input.T where this layer's grad_weight needs it, else empty). `x` stands in for the input: its shape,
-        dtype and autograd edge (grad_input goes to it); its values are never read."""
-        return self._forward(x, (x_rows, x_rows_scale, x_t, x_t_scale))
-
-    def _forward(self, x: Tensor, x_operands: tuple[Tensor, ...] | None = None) -> Tensor:
+    def _forward(self, x: Tensor) -> Tensor:
         if self._frozen_plan is not None and self.weight.requires_grad:
             raise RuntimeError("FP8Linear: the weight was frozen to FP8 (freeze_weight) and now requires grad: "
                                "freeze_weight(False) before training it")
         x2d = x.reshape(-1, x.shape[-1])
         plan = self.plan(x2d)
         out_dtype = output_dtype(x)
-        x_rows, x_rows_scale, x_t, x_t_scale = x_operands or self._quantize_input(x, x2d, plan,
-                                                                                  self.makes_input_t(plan))
+        x_rows, x_rows_scale, x_t, x_t_scale = self._quantize_input(x, x2d, plan, self.makes_input_t(plan))
         x_saved = (ops.wgrad_input(plan, x_rows, x_rows_scale, x_t, x_t_scale) if self.computes_grad_weight()
                    else (None, None))
         w, w_scale = self.weight_operand(plan)

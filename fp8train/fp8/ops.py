@@ -202,17 +202,19 @@ def _swiglu_kernel_applies(p: LinearPlan, rows: OperandSpec, cols: OperandSpec, 
     return _tile_kernel_applies(rows, cols, p.cublas) and all(t.dtype == torch.bfloat16 for t in tensors)
 
 
-def _quantize_swiglu_impl(g: Tensor, u: Tensor, plan: str, make_cols: bool,
+def _quantize_swiglu_impl(g: Tensor, u: Tensor, plan: str, make_cols: bool, make_rows: bool = True,
                           kernels: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """h = silu(g) * u quantized as the plan's input (rows, and input.T with `make_cols`): on CUDA in one
-    kernel that never writes h; elsewhere `swiglu_reference`, then the input's quantization."""
+    """h = silu(g) * u quantized as the plan's input (rows unless not `make_rows`, input.T with `make_cols`): on
+    CUDA in one kernel that never writes h; elsewhere `swiglu_reference`, then the input's quantization."""
     p = LinearPlan.parse(plan)
     g, u = g.contiguous(), u.contiguous()
     if kernels and _swiglu_kernel_applies(p, p.x, p.x_t, g, u):
         if torch.compiler.is_compiling():
-            return _kernels.quantize_swiglu_op(g, u, p.x.fmt.dtype, p.x_t.fmt.dtype, p.pow2, p.x.pad, make_cols)
-        return _kernels.quantize_swiglu(g, u, p.x.fmt, p.x_t.fmt, p.pow2, p.x.pad, make_cols)
-    return _quantize_activation(swiglu_reference(g, u), p.x, p.x_t, p.pow2, make_cols, p.cublas and kernels)
+            return _kernels.quantize_swiglu_op(g, u, p.x.fmt.dtype, p.x_t.fmt.dtype, p.pow2, p.x.pad, make_rows,
+                                               make_cols)
+        return _kernels.quantize_swiglu(g, u, p.x.fmt, p.x_t.fmt, p.pow2, p.x.pad, make_cols, rows=make_rows)
+    out = _quantize_activation(swiglu_reference(g, u), p.x, p.x_t, p.pow2, make_cols, p.cublas and kernels)
+    return out if make_rows else (*_empty(g), *out[2:])
 
 
 def _quantize_swiglu_grads_impl(dh: Tensor, g: Tensor, u: Tensor, plan: str, make_cols: bool,
@@ -284,13 +286,14 @@ def _(g, g_scale, g_t, g_t_scale, weight, w, w_scale, x_saved, x_saved_scale, pl
 
 
 @torch.library.custom_op("fp8train::quantize_swiglu", mutates_args=())
-def _quantize_swiglu_op(g: Tensor, u: Tensor, plan: str, make_cols: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return _quantize_swiglu_impl(g, u, plan, make_cols)
+def _quantize_swiglu_op(g: Tensor, u: Tensor, plan: str, make_cols: bool,
+                        make_rows: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return _quantize_swiglu_impl(g, u, plan, make_cols, make_rows)
 
 
 @_quantize_swiglu_op.register_fake
-def _(g, u, plan, make_cols):
-    return _quantize_swiglu_impl(g, u, plan, make_cols, kernels=False)
+def _(g, u, plan, make_cols, make_rows):
+    return _quantize_swiglu_impl(g, u, plan, make_cols, make_rows, kernels=False)
 
 
 @torch.library.custom_op("fp8train::quantize_swiglu_grads", mutates_args=())
@@ -339,10 +342,12 @@ def linear_backward_gemms(g: Tensor, g_scale: Tensor, g_t: Tensor, g_t_scale: Te
         g, g_scale, g_t, g_t_scale, weight, w, w_scale, x_saved, x_saved_scale, plan.key, want_dx, want_dw, dx_dtype)
 
 
-def quantize_swiglu(g: Tensor, u: Tensor, plan: LinearPlan, make_cols: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def quantize_swiglu(g: Tensor, u: Tensor, plan: LinearPlan, make_cols: bool,
+                    make_rows: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The operands of h = silu(g) * u as the input of a Linear with `plan` (`quantize_input` of
-    `swiglu_reference(g, u)`, without h written on CUDA)."""
-    return (_quantize_swiglu_op if _opaque(plan) else _quantize_swiglu_impl)(g, u, plan.key, make_cols)
+    `swiglu_reference(g, u)`, without h written on CUDA); `make_rows=False`: input.T's alone (rows empty), as
+    the backward re-makes it for grad_weight."""
+    return (_quantize_swiglu_op if _opaque(plan) else _quantize_swiglu_impl)(g, u, plan.key, make_cols, make_rows)
 
 
 def quantize_swiglu_grads(dh: Tensor, g: Tensor, u: Tensor, plan: LinearPlan, make_cols: bool) -> tuple[Tensor, ...]:

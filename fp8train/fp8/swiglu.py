@@ -82,43 +82,56 @@ def swiglu_mlp_applies(module: nn.Module) -> bool:
             and len({m.recipe for m in linears}) == 1)
 
 
-class _GateUpSwiGLUFn(torch.autograd.Function):
-    """The gate and up Linears and the SwiGLU: returns h's FP8 operands for the down projection and a stand-in
-    for h (its shape, dtype and autograd edge: the down projection's grad_input arrives there as dh)."""
+class _SwiGLUMLPFn(torch.autograd.Function):
+    """The whole MLP, y = down(silu(gate(x)) * up(x)), from x: its input quantized once for gate and up, h's
+    operands made from g and u by the producer, the down GEMM from them. Saves for backward the weights
+    (and their given operands), x's grad_weight operand, g and u (BF16, or FP8 tiles with `save_fp8`) and,
+    unless the backward re-makes it from g and u (`h_t_later`), h's grad_weight operand."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, w_gate: Tensor, w_up: Tensor, wg: Tensor | None, wg_scale: Tensor | None,
-                wu: Tensor | None, wu_scale: Tensor | None, plan: LinearPlan, out_dtype: torch.dtype, x_cols: bool,
-                h_cols: bool, save_fp8: bool) -> tuple[Tensor, ...]:
+    def forward(ctx, x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, wg: Tensor | None,
+                wg_scale: Tensor | None, wu: Tensor | None, wu_scale: Tensor | None, wd: Tensor | None,
+                wd_scale: Tensor | None, plan: LinearPlan, out_dtype: torch.dtype, x_cols: bool, h_cols: bool,
+                h_t_later: bool, save_fp8: bool) -> Tensor:
         x2d = x.reshape(-1, x.shape[-1])
-        want_dw = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
         xr, xr_s, xc, xc_s = ops.quantize_input(x2d.detach(), plan, x_cols)
         g = ops.linear_forward(xr, xr_s, w_gate.detach(), wg, wg_scale, plan, out_dtype)
         u = ops.linear_forward(xr, xr_s, w_up.detach(), wu, wu_scale, plan, out_dtype)
-        h_ops = ops.quantize_swiglu(g, u, plan, h_cols)
-        x_saved = ops.wgrad_input(plan, xr, xr_s, xc, xc_s) if want_dw else (None, None)
+        hr, hr_s, hc, hc_s = ops.quantize_swiglu(g, u, plan, h_cols)
+        y = ops.linear_forward(hr, hr_s, w_down.detach(), wd, wd_scale, plan, out_dtype)
+        want_dw_gu = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
+        x_saved = ops.wgrad_input(plan, xr, xr_s, xc, xc_s) if want_dw_gu else (None, None)
+        keep_h = ctx.needs_input_grad[3] and not h_t_later
+        h_saved = ops.wgrad_input(plan, hr, hr_s, hc, hc_s) if keep_h else (None, None)
         saved_gu = [*_save_fp8(g, plan), *_save_fp8(u, plan)] if save_fp8 else [g, None, u, None]
-        ctx.save_for_backward(w_gate, w_up, wg, wg_scale, wu, wu_scale, *x_saved, *saved_gu)
+        ctx.save_for_backward(w_gate, w_up, w_down, wg, wg_scale, wu, wu_scale, wd, wd_scale, *x_saved, *h_saved,
+                              *saved_gu)
         ctx.plan, ctx.x_shape, ctx.x_dtype, ctx.gu_shape, ctx.gu_dtype = plan, x.shape, x.dtype, g.shape, g.dtype
-        standin = g.new_empty_strided((*x.shape[:-1], g.shape[-1]), (0,) * x.dim())
-        ctx.mark_non_differentiable(*h_ops)
-        return (standin, *h_ops)
+        ctx.h_t_later = h_t_later
+        return y.view(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
-    def backward(ctx, dh: Tensor, *_):
-        w_gate, w_up, wg, wg_scale, wu, wu_scale, x_saved, x_saved_scale, g, g_scale, u, u_scale = ctx.saved_tensors
+    def backward(ctx, dy: Tensor):
+        (w_gate, w_up, w_down, wg, wg_scale, wu, wu_scale, wd, wd_scale, x_saved, x_saved_scale, h_saved,
+         h_saved_scale, g, g_scale, u, u_scale) = ctx.saved_tensors
         p, (M, I) = ctx.plan, ctx.gu_shape
         if g_scale is not None:
             g = _load_fp8(g, g_scale, p, ctx.gu_shape, ctx.gu_dtype)
             u = _load_fp8(u, u_scale, p, ctx.gu_shape, ctx.gu_dtype)
-        want_dx, want_dwg, want_dwu = ctx.needs_input_grad[:3]
+        want_dx, want_dwg, want_dwu, want_dwd = ctx.needs_input_grad[:4]
+        if want_dwd and ctx.h_t_later:  # h.T's operand from g and u, as the forward would have made it
+            h_saved, h_saved_scale = ops.quantize_swiglu(g, u, p, True, make_rows=False)[2:]
+        # the down projection: dh (grad_input, in g's dtype, as autograd's would be) and its grad_weight
+        dh, dwd = ops.linear_backward(dy.reshape(-1, dy.shape[-1]), w_down.detach(), wd, wd_scale, h_saved,
+                                      h_saved_scale, p, True, want_dwd, ctx.gu_dtype)
         grads = ops.quantize_swiglu_grads(dh.reshape(M, I), g, u, p, want_dwg or want_dwu)
         dxg, dwg = ops.linear_backward_gemms(*grads[:4], w_gate.detach(), wg, wg_scale, x_saved, x_saved_scale, p,
                                              want_dx, want_dwg, ctx.x_dtype)
         dxu, dwu = ops.linear_backward_gemms(*grads[4:], w_up.detach(), wu, wu_scale, x_saved, x_saved_scale, p,
                                              want_dx, want_dwu, ctx.x_dtype)
         return ((dxg + dxu).view(ctx.x_shape) if want_dx else None, dwg.to(w_gate.dtype) if want_dwg else None,
-                dwu.to(w_up.dtype) if want_dwu else None, None, None, None, None, None, None, None, None, None)
+                dwu.to(w_up.dtype) if want_dwu else None, dwd.to(w_down.dtype) if want_dwd else None,
+                *([None] * 12))
 
 
 class FP8SwiGLUMLP(nn.Module):
@@ -146,12 +159,14 @@ class FP8SwiGLUMLP(nn.Module):
         down = self.down_proj
         if self._fusable():
             gate, up, plan = self.gate_proj, self.up_proj, down.plan(x)
-            h, *h_ops = _GateUpSwiGLUFn.apply(x, gate.weight, up.weight, *gate.weight_operand(plan),
-                                              *up.weight_operand(plan), plan, output_dtype(x),
-                                              gate.makes_input_t(plan) or up.makes_input_t(plan),
-                                              down.makes_input_t(plan),
-                                              self.recipe.swiglu_inputs_fp8 and torch.is_grad_enabled())
-            return down.forward_quantized(h, *h_ops)
+            save_fp8 = self.recipe.swiglu_inputs_fp8 and torch.is_grad_enabled()
+            # h.T re-made in the backward from the saved g and u: where those are the forward's values and
+            # h.T comes from high precision (not with `wgrad_input_from_fp8`, which derives it from h's rows)
+            h_t_later = self.recipe.h_t_in_backward and not save_fp8 and not plan.x_t_from_fp8
+            return _SwiGLUMLPFn.apply(x, gate.weight, up.weight, down.weight, *gate.weight_operand(plan),
+                                      *up.weight_operand(plan), *down.weight_operand(plan), plan, output_dtype(x),
+                                      gate.makes_input_t(plan) or up.makes_input_t(plan),
+                                      down.makes_input_t(plan) and not h_t_later, h_t_later, save_fp8)
         g, u = self.gate_proj(x), self.up_proj(x)
         if not self.recipe.swiglu_inputs_fp8 or not torch.is_grad_enabled() or not (g.requires_grad or u.requires_grad):
             return down(ops.swiglu_reference(g, u))

@@ -111,6 +111,11 @@ class TrainConfig:
     silu(gate) * up, the gate and up projections' FP8 output gradients in the ones that compute its derivatives
     (neither written in BF16 and read again). The same BF16 arithmetic, 0.9% less kernel time at Qwen2.5-7B on
     the H200 (docs/benchmarks.md). null: the recipe's default (on for hybrid); false: three FP8 Linears."""
+    h_t_in_backward: bool | None = None
+    """With the SwiGLU fused: make the down projection's grad_weight operand (its input, tiled along the tokens)
+    in the backward from the gate and up outputs saved anyway, instead of saving it from the forward: 1 byte
+    per token and intermediate feature and layer less activation memory for one more kernel launch, the same
+    numbers (docs/benchmarks.md). null: the recipe's default."""
     deep_gemm: bool = False
     """Run the hybrid recipe's output and grad_input GEMMs on DeepGEMM's SM90 kernel instead of cuBLAS's: the
     same numbers, 2% faster steps at Qwen2.5-7B, 5% for LoRA (docs/benchmarks.md section 0a, which says how to

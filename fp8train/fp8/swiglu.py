@@ -10,12 +10,13 @@ both (the recipe's `fuse_swiglu`):
     forward    x -> FP8 rows (+ input.T) once -> g, u GEMMs (BF16)
                h's FP8 rows (+ h.T) made from g and u in one kernel    (h never written)
                down GEMM from those operands
-    backward   dh = down's grad_input (BF16)
+    backward   [`h_t_in_backward`: h.T made here from g and u instead, so the forward saves none]
+               dh = down's grad_input (BF16), down's grad_weight
                dg's and du's FP8 rows (+ their .T) made from dh, g, u, one launch each (dg, du never written)
                gate's and up's grad_input (summed) and grad_weight GEMMs from those operands
 
-with the same BF16 arithmetic (`ops.swiglu_reference`, `ops.swiglu_grads_reference`): on the CPU bit for
-bit the three FP8Linears' numbers; on CUDA the kernels compute the sigmoid as inductor's code does (the
+all in one autograd Function (`_SwiGLUMLPFn`), with the same BF16 arithmetic (`ops.swiglu_reference`,
+`ops.swiglu_grads_reference`): on the CPU bit for bit the three FP8Linears' numbers; on CUDA the kernels compute the sigmoid as inductor's code does (the
 GPU's fast exp and division) and round to BF16 where autograd's ops round. With `swiglu_inputs_fp8`, g
 and u are saved for backward as E4M3 1x128 tiles instead of BF16 (COAT's trick), half the bytes (at
 Qwen2.5-7B 75 KB per token per layer in BF16, the largest activation a decoder layer saves); the

@@ -259,16 +259,20 @@ def run_case(case: BenchCase, *, steps: int = 5, warmup: int = 2, device: str = 
         res["profile_ms"] = categorize_profile(prof)
         if top_kernels:
             res["top_kernels_ms"] = top_kernel_times(prof, top_kernels)
-    if memory and cuda and case.mode != "cudagraphs":
-        # not under CUDA graphs: replays allocate from the pools their recordings took, outside what this step
-        # observes; the split came out inconsistent there (one "peak allocated" for every variant, a negative
-        # "other at peak": an H100, 2026-12-05)
+    if memory and cuda and _memory_split_applies(case.mode):
         res["memory_gib"] = memory_breakdown(trainer, trainer.next_micro_batches())
     del trainer, model, rows
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
     return res
+
+
+def _memory_split_applies(mode: str) -> bool:
+    """Whether `memory_breakdown` can split a step of `mode`: not under CUDA graphs, whose replays allocate
+    from the pools their recordings took, outside what the step observes (the split came out inconsistent
+    there: one "peak allocated" for every variant, a negative "other at peak"; an H100, 2026-12-05)."""
+    return mode != "cudagraphs"
 
 
 _SHAPE_KEYS = ("model", "layers", "seq", "mode", "loss_impl")
@@ -404,7 +408,7 @@ def main(args: argparse.Namespace | list[str] | None = None) -> int:
                         with open(args.out, "a") as f:
                             f.write(json.dumps(r) + "\n")
     print("\n" + markdown_table(results), flush=True)
-    if args.memory and "cudagraphs" in args.modes:
+    if args.memory and not all(_memory_split_applies(m) for m in args.modes):
         print("\n--memory: no breakdown for the cudagraphs rows (the graphs' pools lie outside what it observes); "
               "peaks only. --modes compiled gives the split.", flush=True)
     return 0 if results else 1

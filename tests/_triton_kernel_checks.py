@@ -92,6 +92,11 @@ def interpret() -> dict:
                         ok &= qc is None and sc is None
                     if not ok:
                         failures.append(f"activation {name} {f} pow2={pow2} cols={cols}")
+                # input.T alone (`input_t_in_backward`): the same cols copy, no rows
+                qr, sr, qc, sc = tq.quantize_tiles_and_transpose(x, fake, fake, pow2, 512, rows=False)
+                ok = torch.equal(_bits(qc[:, :M]), _bits(cr)) and torch.equal(_bits(sc[:, :cs.shape[1]]), _bits(cs))
+                if not (ok and qr is None and sr is None and not qc[:, M:].any()):
+                    failures.append(f"activation {name} {f} pow2={pow2} cols only")
         if x.dtype == torch.float32 and x.shape[0] % 128 == 0:  # weights: FP32 masters, 128x128 blocks
             for pow2 in (True, False):
                 fmt = Fp8Format.E4M3
@@ -189,13 +194,14 @@ def _launch_argument_failures() -> list:
             tq.quantize_tiles_and_transpose(x, fmt, fmt, True, 512, cols=cols)
             tq.quantize_swiglu(x, x * 2, fmt, fmt, True, 512, cols=cols)
             tq.quantize_swiglu_grads(x, x * 2, x * 3, fmt, fmt, True, 512, cols=cols)
-        tq.quantize_swiglu(x, x * 2, fmt, fmt, True, 512, rows=False)  # h.T alone (`h_t_in_backward`)
+        tq.quantize_tiles_and_transpose(x, fmt, fmt, True, 512, rows=False)  # input.T alone (`input_t_in_backward`)
+        tq.quantize_swiglu(x, x * 2, fmt, fmt, True, 512, rows=False)  # h.T alone
         for transpose in (False, True):
             tq.quantize_blocks(torch.randn(256, 384), fmt, True, 512, transpose=transpose)
     finally:
         tq._launcher = real
     failures = [f"{name}: a tensor passed twice" for name, ts in launches if len({id(t) for t in ts}) != len(ts)]
-    return failures + ([] if len(launches) == 11 else [f"{len(launches)} launches recorded, 11 expected"])
+    return failures + ([] if len(launches) == 12 else [f"{len(launches)} launches recorded, 12 expected"])
 
 
 def _truncate_to_bf16(x):
@@ -278,7 +284,7 @@ def compile_sm90() -> dict:
     for pow2 in (True, False):  # power-of-two scales (the default) and exact ones
         launches = [(name, producer, True, cols) for cols in (True, False) for name, producer in
                     (("activation", 0), ("swiglu h", 1), ("swiglu dg", 2), ("swiglu du", 3))]
-        for name, producer, rows, cols in launches + [("swiglu h.T", 1, False, True)]:
+        for name, producer, rows, cols in launches + [("activation x.T", 0, False, True), ("swiglu h.T", 1, False, True)]:
             consts = dict(ROW_MAX=448.0, COL_MAX=448.0, POW2=pow2, ROWS=rows, COLS=cols, BF16=True, BLOCK=128,
                           PRODUCER=producer)
             # the pointers a launch does not use are None, as `_quantize_tiles` passes them

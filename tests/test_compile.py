@@ -43,9 +43,9 @@ def test_custom_ops_fake_implementations_match(recipe):
     dy = torch.randn(200, 256, generator=g).bfloat16()
     fp8_in = ("test_faketensor", "test_aot_dispatch_dynamic")  # test_schema compares FP8 inputs: no CPU kernel
     for plan in _plans(recipe):
-        for make_cols in (True, False):
-            torch.library.opcheck(_fp8_ops._quantize_input_op, (x, plan.key, make_cols))
-        xr, xr_s, xc, xc_s = _fp8_ops._quantize_input_op(x, plan.key, True)
+        for make_cols, make_rows in ((True, True), (False, True), (True, False)):
+            torch.library.opcheck(_fp8_ops._quantize_input_op, (x, plan.key, make_cols, make_rows))
+        xr, xr_s, xc, xc_s = _fp8_ops._quantize_input_op(x, plan.key, True, True)
         wq, wq_s = _fp8_ops.quantize_weight(w, plan.w, plan.pow2, False, plan.cublas)
         for w_op in ((None, None), (wq, wq_s)):
             torch.library.opcheck(_fp8_ops._forward_op, (xr, xr_s, w, *w_op, plan.key, torch.bfloat16),
@@ -61,9 +61,9 @@ def test_ops_never_return_an_input_or_one_storage_twice():
     x = torch.randn(64, 128).bfloat16()
     hp = OperandSpec(None, None)
     plan = LinearPlan(hp, hp, hp, hp, hp, hp, pow2=True, cublas=False, x_t_from_fp8=False)
-    out = _fp8_ops._quantize_input_op(x, plan.key, True)
+    out = _fp8_ops._quantize_input_op(x, plan.key, True, True)
     assert torch.equal(out[0], x) and out[0].data_ptr() != x.data_ptr()
-    out = _fp8_ops._quantize_input_op(x, _plans("tensorwise")[0].key, True)
+    out = _fp8_ops._quantize_input_op(x, _plans("tensorwise")[0].key, True, True)
     assert torch.equal(out[1], out[3]) and out[1].data_ptr() != out[3].data_ptr()
 
 

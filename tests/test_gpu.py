@@ -218,9 +218,9 @@ def test_custom_ops_fake_implementations_match_on_cuda(recipe):
     x = _activation((1000, 1536), torch.bfloat16).cuda()
     w = _activation((896, 1536), torch.float32, seed=2).cuda()
     dy = _activation((1000, 896), torch.bfloat16, seed=3).cuda()
-    for make_cols in (True, False):
-        torch.library.opcheck(_fp8_ops._quantize_input_op, (x, plan.key, make_cols))
-    xr, xr_s, xc, xc_s = _fp8_ops._quantize_input_op(x, plan.key, True)
+    for make_cols, make_rows in ((True, True), (False, True), (True, False)):
+        torch.library.opcheck(_fp8_ops._quantize_input_op, (x, plan.key, make_cols, make_rows))
+    xr, xr_s, xc, xc_s = _fp8_ops._quantize_input_op(x, plan.key, True, True)
     wq, wq_s = _fp8_ops.quantize_weight(w, plan.w, plan.pow2, False, True)
     fp8_in = ("test_faketensor", "test_aot_dispatch_dynamic")
     for w_op in ((None, None), (wq, wq_s)):
@@ -391,7 +391,7 @@ def test_fused_swiglu_kernels_equal_torch_on_cuda():
             assert differ <= 1e-4 * a.numel(), f"{name} {what}: {differ} of {a.numel()} differ"
     rows_only = _ops.quantize_swiglu(g, u, plan, False)
     assert torch.equal(rows_only[0].view(torch.uint8), gots[0][0].view(torch.uint8)) and rows_only[2].numel() == 0
-    cols_only = _ops.quantize_swiglu(g, u, plan, True, make_rows=False)  # h.T alone (`h_t_in_backward`)
+    cols_only = _ops.quantize_swiglu(g, u, plan, True, make_rows=False)  # h.T alone (`input_t_in_backward`)
     assert torch.equal(cols_only[2].view(torch.uint8), gots[0][2].view(torch.uint8))
     assert torch.equal(cols_only[3], gots[0][3]) and cols_only[0].numel() == cols_only[1].numel() == 0
 
@@ -415,13 +415,14 @@ def test_fused_swiglu_mlp_on_cuda(fp8_inputs):
         assert _sqnr(a, b) > 30, (i, _sqnr(a, b))
 
 
-def test_h_t_in_backward_on_cuda():
-    """`h_t_in_backward` on CUDA: the down projection's h.T made in the backward from g and u gives the
-    forward-made operand's output and gradients bit for bit, eagerly and compiled by inductor."""
+def test_input_t_in_backward_on_cuda():
+    """`input_t_in_backward` on CUDA: input.T made in the backward (h.T from g and u; compiled, x's from x saved
+    by reference) gives the forward-made operands' output and gradients bit for bit, eagerly and compiled by
+    inductor."""
     x = torch.randn(2, 1000, 1536, device="cuda")
     x[:, 0] *= 30
     for compiled in (False, True):
-        runs = [_run_qwen2_mlp(x, make_recipe("hybrid", h_t_in_backward=on), compiled) for on in (False, True)]
+        runs = [_run_qwen2_mlp(x, make_recipe("hybrid", input_t_in_backward=on), compiled) for on in (False, True)]
         for i, (a, b) in enumerate(zip(*runs)):
             assert torch.equal(a, b), (compiled, i)
 
@@ -460,9 +461,9 @@ def test_compiled_model_launches_the_fp8_kernels_from_inductor_code(fuse):
     assert "fp8train." not in code, "an opaque fp8train op is left in the compiled code"
     # forward: inputs of q/k/v (one), o, gate/up (one), down (fused: made from g and u); backward: the 7
     # grad_outputs (fused: gate's and up's made from dh, g, u). Weights: W in the forward, W.T in the
-    # backward (no FP8 copy of the weight is kept between them); with `h_t_in_backward` one more launch makes
+    # backward (no FP8 copy of the weight is kept between them); with `input_t_in_backward` one more launch makes
     # down's h.T in the backward
-    h_t = int(fuse and recipe.h_t_in_backward)
+    h_t = int(fuse and recipe.input_t_in_backward)
     assert counts == {"_act_kernel": 4 + 7 + h_t, "_weight_kernel": 7 + 7}, counts
     assert len(re.findall(r"_scaled_mm", code)) >= 21, "7 Linears x 3 GEMMs on cuBLAS"
 

@@ -323,11 +323,12 @@ def test_fused_mlp_saves_less_for_backward_eagerly():
 
 
 @pytest.mark.parametrize("recipe", ["hybrid", "hybrid+wgrad_from_fp8", "hybrid+swiglu_fp8", "tensorwise+fused"])
-def test_h_t_in_backward_same_numbers_less_saved(recipe):
-    """`h_t_in_backward` makes the down projection's grad_weight operand in the backward from the saved g and u:
+def test_input_t_in_backward_same_numbers_less_saved(recipe):
+    """`input_t_in_backward` makes the down projection's grad_weight operand in the backward from the saved g and u:
     logits and every gradient equal the forward-made operand's bit for bit, eagerly and compiled, and the
-    forward saves 1 byte per token and intermediate feature and layer less (the FP8 h.T). Where g and u are
-    saved in FP8, or h.T comes from h's FP8 rows (`wgrad_input_from_fp8`), the knob changes nothing."""
+    forward saves 1 byte per token and intermediate feature and layer less (the FP8 h.T; eagerly the other
+    Linears keep their FP8 input.T). Where g and u are saved in FP8, or h.T comes from h's FP8 rows
+    (`wgrad_input_from_fp8`), the knob changes nothing."""
     from dataclasses import replace
 
     from fp8train import parse_recipe
@@ -337,7 +338,7 @@ def test_h_t_in_backward_same_numbers_less_saved(recipe):
     runs, saved = {}, {}
     for later in (False, True):
         model = tiny()
-        convert_to_fp8(model, replace(base, h_t_in_backward=later))
+        convert_to_fp8(model, replace(base, input_t_in_backward=later))
         runs[later] = _step(model, ids)
         runs[later, "compiled"] = _step(model, ids, "aot_eager")
         sizes = []
@@ -359,15 +360,48 @@ def test_h_t_in_backward_same_numbers_less_saved(recipe):
         assert saved[False] == saved[True], saved
 
 
-def test_h_t_in_backward_config_key(tmp_path, byte_tokenizer, corpus):
-    """The trainer's `h_t_in_backward` reaches the recipe (null: the recipe's default) and is free to change on
+def test_input_t_in_backward_config_key(tmp_path, byte_tokenizer, corpus):
+    """The trainer's `input_t_in_backward` reaches the recipe (null: the recipe's default) and is free to change on
     resume (the same numbers)."""
     from fp8train.train.resume import _FREE
     from fp8train.train.trainer import Trainer
     from test_trainer import tiny_config
 
-    assert "h_t_in_backward" in _FREE
-    for key, want in ((None, make_recipe("hybrid").h_t_in_backward), ("true", True), ("false", False)):
-        cfg = tiny_config(tmp_path / str(key), byte_tokenizer, corpus, **({"h_t_in_backward": key} if key else {}))
+    assert "input_t_in_backward" in _FREE
+    for key, want in ((None, make_recipe("hybrid").input_t_in_backward), ("true", True), ("false", False)):
+        cfg = tiny_config(tmp_path / str(key), byte_tokenizer, corpus, **({"input_t_in_backward": key} if key else {}))
         trainer = Trainer(cfg, progress=False)
-        assert trainer.model.model.layers[0].mlp.recipe.h_t_in_backward is want, key
+        assert trainer.model.model.layers[0].mlp.recipe.input_t_in_backward is want, key
+
+
+def test_input_t_in_backward_compiled_lets_the_partitioner_recompute():
+    """Compiled by inductor (the trainer's per-layer compile), `input_t_in_backward` saves each Linear's input by
+    reference and makes input.T in the backward; the partitioner recomputes the attention output (o_proj's input)
+    rather than keep its FP8 copy, and keeps the norm outputs' FP8 copies (it does not recompute reductions): the
+    forward saves 3 FP8 input.T copies and h.T per layer without the knob, 2 with it; the numbers are the same."""
+    import torch._dynamo
+    from dataclasses import replace
+
+    from fp8train import compile_options
+
+    ids = torch.randint(0, 512, (2, 128), generator=torch.Generator().manual_seed(9))
+    runs, fp8 = {}, {}
+    for later in (False, True):
+        torch._dynamo.reset()
+        model = tiny()
+        convert_to_fp8(model, replace(FUSED, input_t_in_backward=later))
+        for layer in model.model.layers:
+            layer.forward = torch.compile(layer.forward, options=compile_options())
+        saved = []
+
+        def pack(t):
+            saved.append(t.numel() if t.dtype == torch.float8_e4m3fn else 0)
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            runs[later] = _step(model, ids)
+        fp8[later] = sum(saved)
+    (la, ga), (lb, gb) = runs[False], runs[True]
+    assert torch.equal(la, lb) and all(torch.equal(ga[n], gb[n]) for n in ga)
+    hidden, inter, tokens, layers = 128, 256, ids.numel(), 2  # input.T [K, tokens], h.T [I, tokens]
+    assert fp8[False] == layers * (3 * hidden * tokens + inter * tokens), fp8
+    assert fp8[True] == layers * 2 * hidden * tokens, fp8

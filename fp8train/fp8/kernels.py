@@ -293,13 +293,14 @@ def _quantize_tiles(x2d, others, producer: int, row_fmt, col_fmt, pow2: bool, pa
 
 
 def quantize_tiles_and_transpose(x2d, row_fmt, col_fmt, pow2: bool, pad: int, cols: bool = True,
-                                 num_warps: int | None = None, _traced: bool = False):
+                                 num_warps: int | None = None, _traced: bool = False, rows: bool = True):
     """x2d [M, K] -> (rows data [M, Kp], rows scale view (M, Kp/128) with strides (1, M),
     cols data [K, Mp], cols scale view (K, Mp/128) with strides (1, K)); Kp, Mp = round_up(., pad).
-    `cols=False` skips the transposed copy (no backward will need it) and returns None for it.
+    `cols=False` skips the transposed copy (no backward will need it), `rows=False` the row copy (a backward
+    making input.T alone); a copy not made is None.
     A format is anything with `.dtype` (of the copy) and `.max` (an FP32 dtype gives the values before
     the FP8 conversion: the CPU interpreter checks use it)."""
-    return _quantize_tiles(x2d, (), 0, row_fmt, col_fmt, pow2, pad, cols, num_warps, _traced)
+    return _quantize_tiles(x2d, (), 0, row_fmt, col_fmt, pow2, pad, cols, num_warps, _traced, rows)
 
 
 def quantize_swiglu(g, u, row_fmt, col_fmt, pow2: bool, pad: int, cols: bool = True, num_warps: int | None = None,
@@ -347,9 +348,9 @@ _FORMATS = {f.dtype: f for f in Fp8Format}
 
 @torch.library.triton_op("fp8train::quantize_tiles", mutates_args=())
 def quantize_tiles_op(x2d: torch.Tensor, row_dtype: torch.dtype, col_dtype: torch.dtype, pow2: bool, pad: int,
-                      cols: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                      rows: bool, cols: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return ops_layout(quantize_tiles_and_transpose(x2d, _FORMATS[row_dtype], _FORMATS[col_dtype], pow2, pad, cols,
-                                                   _traced=True), x2d)
+                                                   _traced=True, rows=rows), x2d)
 
 
 @torch.library.triton_op("fp8train::quantize_swiglu_tiles", mutates_args=())

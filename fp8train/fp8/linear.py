@@ -53,8 +53,9 @@ def runs_on_cublas(x: Tensor, recipe: Fp8Recipe) -> bool:
 
 class _Fp8LinearFn(torch.autograd.Function):
     """y = x @ W.T + b from the input's FP8 rows (made by the caller). Saves for backward the weight
-    (W.T is re-made from it, or from `w`, W's given operand), `x_saved` (input.T's operand, or the rows
-    with the plan's `x_t_from_fp8`) and the forward's health statistics; backward is one op."""
+    (W.T is re-made from it, or from `w`, W's given operand), `x_saved` (input.T's operand, the rows with the
+    plan's `x_t_from_fp8`, or with no scale the input itself: `input_t_later`) and the forward's health
+    statistics."""
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, x_rows: Tensor, x_rows_scale: Tensor,
@@ -77,6 +78,8 @@ class _Fp8LinearFn(torch.autograd.Function):
         dy2d = dy.reshape(-1, dy.shape[-1])
         want_dx = ctx.needs_input_grad[0]
         want_dw = ctx.needs_input_grad[1] and x_saved is not None
+        if want_dw and x_saved_scale is None:  # the input itself: input.T's operand made now
+            x_saved, x_saved_scale = ops.quantize_input(x_saved, p, True, make_rows=False)[2:]
         dx, dw = ops.linear_backward(dy2d, weight.detach(), w, w_scale, x_saved, x_saved_scale, p, want_dx, want_dw,
                                      ctx.x_dtype)
         db = dy2d.float().sum(0).to(ctx.b_dtype) if ctx.b_dtype is not None and ctx.needs_input_grad[2] else None
@@ -257,8 +260,15 @@ class FP8Linear(nn.Linear):
 
     def makes_input_t(self, plan: LinearPlan) -> bool:
         """Whether this forward makes input.T's operand: a backward computes dW, and from input.T made now
-        (with the plan's `x_t_from_fp8` it is made in the backward from the saved FP8 rows)."""
-        return self.computes_grad_weight() and not plan.x_t_from_fp8
+        (with the plan's `x_t_from_fp8` it is made in the backward from the saved FP8 rows, with
+        `input_t_later` from the saved input)."""
+        return self.computes_grad_weight() and not plan.x_t_from_fp8 and not self.input_t_later(plan)
+
+    def input_t_later(self, plan: LinearPlan) -> bool:
+        """Whether the backward makes input.T's operand from the input, saved by reference (the recipe's
+        `input_t_in_backward`, compiled: the partitioner recomputes the input rather than store it)."""
+        return (self.recipe.input_t_in_backward and torch.compiler.is_compiling() and self.computes_grad_weight()
+                and not plan.x_t_from_fp8)
 
     def _forward(self, x: Tensor) -> Tensor:
         if self._frozen_plan is not None and self.weight.requires_grad:
@@ -268,8 +278,12 @@ class FP8Linear(nn.Linear):
         plan = self.plan(x2d)
         out_dtype = output_dtype(x)
         x_rows, x_rows_scale, x_t, x_t_scale = self._quantize_input(x, x2d, plan, self.makes_input_t(plan))
-        x_saved = (ops.wgrad_input(plan, x_rows, x_rows_scale, x_t, x_t_scale) if self.computes_grad_weight()
-                   else (None, None))
+        if self.input_t_later(plan):
+            x_saved = (x2d.detach(), None)
+        elif self.computes_grad_weight():
+            x_saved = ops.wgrad_input(plan, x_rows, x_rows_scale, x_t, x_t_scale)
+        else:
+            x_saved = (None, None)
         w, w_scale = self.weight_operand(plan)
         weight = self.weight
         if self._frozen_plan is not None:

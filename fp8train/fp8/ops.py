@@ -83,23 +83,27 @@ def _tile_kernel_applies(rows: OperandSpec, cols: OperandSpec, cublas: bool) -> 
 
 
 def _quantize_activation(x2d: Tensor, rows: OperandSpec, cols: OperandSpec, pow2: bool, make_cols: bool,
-                         cublas: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """FP8 copies of an activation x [M, K]: rows (blocks of x, for output / grad_input) and, if
-    `make_cols`, cols (blocks of x.T, for grad_weight), both quantized from x itself; no cols: empty."""
+                         cublas: bool, make_rows: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """FP8 copies of an activation x [M, K]: rows (blocks of x, for output / grad_input) unless not `make_rows`
+    and, if `make_cols`, cols (blocks of x.T, for grad_weight), both quantized from x itself; a copy not made:
+    empty tensors."""
     if x2d.stride(1) != 1:  # the kernel reads rows with unit stride
         x2d = x2d.contiguous()
     if _tile_kernel_applies(rows, cols, cublas):
         if torch.compiler.is_compiling():  # its triton_op: inductor sees into it and launches it itself
-            return _kernels.quantize_tiles_op(x2d, rows.fmt.dtype, cols.fmt.dtype, pow2, rows.pad, make_cols)
+            return _kernels.quantize_tiles_op(x2d, rows.fmt.dtype, cols.fmt.dtype, pow2, rows.pad, make_rows,
+                                              make_cols)
         return _kernels.ops_layout(_kernels.quantize_tiles_and_transpose(x2d, rows.fmt, cols.fmt, pow2, rows.pad,
-                                                                         make_cols), x2d)
+                                                                         make_cols, rows=make_rows), x2d)
     rd, rs = quantize_operand(x2d, rows, pow2)
     if not make_cols:
         return rd, rs, *_empty(x2d)
     if (rows.fmt, rows.block) == (cols.fmt, cols.block) and rows.block is None and rows.fmt is not None:
         # one scale for the tensor: the transposed copy is the row copy transposed, exactly
-        return rd, rs, *pad_operand(rd[:, : x2d.shape[1]].t().contiguous(), rs.clone(), cols)
-    return rd, rs, *quantize_operand(x2d.t(), cols, pow2)
+        cd, cs = pad_operand(rd[:, : x2d.shape[1]].t().contiguous(), rs.clone(), cols)
+    else:
+        cd, cs = quantize_operand(x2d.t(), cols, pow2)
+    return (rd, rs, cd, cs) if make_rows else (*_empty(x2d), cd, cs)
 
 
 def quantize_weight(w: Tensor, spec: OperandSpec, pow2: bool, transpose: bool, cublas: bool) -> tuple[Tensor, Tensor]:
@@ -134,10 +138,12 @@ def transpose_weight(data: Tensor, scale: Tensor, plan: LinearPlan, k: int) -> t
 
 # ------------------------------------------------------------ forward and backward of one FP8 Linear
 
-def _quantize_input_impl(x: Tensor, plan: str, make_cols: bool, kernels: bool = True) -> tuple[Tensor, ...]:
-    """Input rows (operand a of output) and, with `make_cols`, input.T (operand b of grad_weight)."""
+def _quantize_input_impl(x: Tensor, plan: str, make_cols: bool, make_rows: bool = True,
+                         kernels: bool = True) -> tuple[Tensor, ...]:
+    """Input rows (operand a of output; unless not `make_rows`) and, with `make_cols`, input.T (operand b of
+    grad_weight)."""
     p = LinearPlan.parse(plan)
-    return _quantize_activation(x, p.x, p.x_t, p.pow2, make_cols, p.cublas and kernels)
+    return _quantize_activation(x, p.x, p.x_t, p.pow2, make_cols, p.cublas and kernels, make_rows)
 
 
 def _forward_impl(x_rows: Tensor, x_rows_scale: Tensor, weight: Tensor, w: Tensor | None, w_scale: Tensor | None,
@@ -213,8 +219,7 @@ def _quantize_swiglu_impl(g: Tensor, u: Tensor, plan: str, make_cols: bool, make
             return _kernels.quantize_swiglu_op(g, u, p.x.fmt.dtype, p.x_t.fmt.dtype, p.pow2, p.x.pad, make_rows,
                                                make_cols)
         return _kernels.quantize_swiglu(g, u, p.x.fmt, p.x_t.fmt, p.pow2, p.x.pad, make_cols, rows=make_rows)
-    out = _quantize_activation(swiglu_reference(g, u), p.x, p.x_t, p.pow2, make_cols, p.cublas and kernels)
-    return out if make_rows else (*_empty(g), *out[2:])
+    return _quantize_activation(swiglu_reference(g, u), p.x, p.x_t, p.pow2, make_cols, p.cublas and kernels, make_rows)
 
 
 def _quantize_swiglu_grads_impl(dh: Tensor, g: Tensor, u: Tensor, plan: str, make_cols: bool,
@@ -238,13 +243,13 @@ def _quantize_swiglu_grads_impl(dh: Tensor, g: Tensor, u: Tensor, plan: str, mak
 # fake implementations run the reference path on fake tensors: shapes, dtypes, strides are the real ones.
 
 @torch.library.custom_op("fp8train::quantize_input", mutates_args=())
-def _quantize_input_op(x: Tensor, plan: str, make_cols: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return _quantize_input_impl(x, plan, make_cols)
+def _quantize_input_op(x: Tensor, plan: str, make_cols: bool, make_rows: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return _quantize_input_impl(x, plan, make_cols, make_rows)
 
 
 @_quantize_input_op.register_fake
-def _(x, plan, make_cols):
-    return _quantize_input_impl(x, plan, make_cols, kernels=False)
+def _(x, plan, make_cols, make_rows):
+    return _quantize_input_impl(x, plan, make_cols, make_rows, kernels=False)
 
 
 @torch.library.custom_op("fp8train::linear_forward", mutates_args=())
@@ -313,9 +318,11 @@ def _opaque(plan: LinearPlan) -> bool:
     return torch.compiler.is_compiling() and not plan.cublas
 
 
-def quantize_input(x: Tensor, plan: LinearPlan, make_cols: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """The input's FP8 operands: rows data, scale and (with `make_cols`) input.T data, scale; else empty."""
-    return (_quantize_input_op if _opaque(plan) else _quantize_input_impl)(x, plan.key, make_cols)
+def quantize_input(x: Tensor, plan: LinearPlan, make_cols: bool,
+                   make_rows: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The input's FP8 operands: rows data, scale (unless not `make_rows`: a backward making input.T alone) and
+    (with `make_cols`) input.T data, scale; a copy not made: empty tensors."""
+    return (_quantize_input_op if _opaque(plan) else _quantize_input_impl)(x, plan.key, make_cols, make_rows)
 
 
 def linear_forward(x_rows: Tensor, x_rows_scale: Tensor, weight: Tensor, w: Tensor | None, w_scale: Tensor | None,

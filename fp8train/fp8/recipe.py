@@ -112,12 +112,15 @@ class Fp8Recipe:
     are 1.18-1.37x faster than what they replace, a Qwen2.5-7B step's kernel time 0.9% shorter and its step
     0.4% (docs/benchmarks.md section 0); off elsewhere (no producer kernels: the fused structure would run the
     same ops unfused)."""
-    h_t_in_backward: bool = False
-    """With `fuse_swiglu`: the down projection's grad_weight operand h.T (its input h = silu(g) * u, tiled
-    along the tokens) is made in the backward from the g and u that the SwiGLU's derivatives keep anyway,
-    instead of in the forward and saved: nothing is saved for it (1 byte per intermediate element and layer,
-    ~3.2 GiB at Qwen2.5-7B/22 and 8192 tokens), for one more launch in the backward that reads g and u. The
-    same numbers bit for bit. Not with `swiglu_inputs_fp8` (the saved g and u are no longer the forward's)."""
+    input_t_in_backward: bool = False
+    """grad_weight's input operand (input.T, token-tiled) is made in the backward from high-precision values
+    instead of in the forward and saved in FP8, so the forward saves nothing for it: the fused MLP's down
+    projection makes h.T from the g and u its SwiGLU keeps anyway (~3.3 GiB less at Qwen2.5-7B/22 and 8192
+    tokens, for one more launch in the backward); under torch.compile every other Linear saves its input by
+    reference, which the compiler's partitioner recomputes from what the layer keeps anyway (the norm's input,
+    the attention output) rather than storing it. Eagerly those Linears keep their 1-byte FP8 copy (the input
+    itself would hold 2-4 bytes per element). The same numbers bit for bit. Not with `swiglu_inputs_fp8` for h
+    (its saved g and u are no longer the forward's) nor with `wgrad_input_from_fp8`."""
     deep_gemm: bool = False
     """The tile x block GEMMs (output and grad_input, BF16 out) run on DeepGEMM's SM90 kernel instead of
     cuBLAS's where they run on cuBLAS: the same products (bit-identical on the H200), up to 21% faster per GEMM
@@ -167,8 +170,8 @@ MODIFIERS = {  # `+name` in a recipe spec (`hybrid+exact+deep_gemm`): (Fp8Recipe
     "deep_gemm": ("deep_gemm", True),
     "fused": ("fuse_swiglu", True),
     "unfused": ("fuse_swiglu", False),
-    "h_t_bwd": ("h_t_in_backward", True),
-    "h_t_fwd": ("h_t_in_backward", False),
+    "t_bwd": ("input_t_in_backward", True),
+    "t_fwd": ("input_t_in_backward", False),
 }
 
 
@@ -184,12 +187,12 @@ def parse_recipe(spec: str) -> Fp8Recipe:
 
 def make_recipe(name: "str | RecipeName | Fp8Recipe" = "hybrid", *, pow2_scale: bool | None = None,
                 swiglu_inputs_fp8: bool | None = None, deep_gemm: bool | None = None,
-                fuse_swiglu: bool | None = None, h_t_in_backward: bool | None = None) -> Fp8Recipe:
+                fuse_swiglu: bool | None = None, input_t_in_backward: bool | None = None) -> Fp8Recipe:
     """The frozen recipe for `name` ('hybrid', 'tensorwise', 'rowwise' or 'bf16'); a knob given (not None)
     replaces the named recipe's value."""
     knobs = {k: bool(v) for k, v in (("pow2_scale", pow2_scale), ("swiglu_inputs_fp8", swiglu_inputs_fp8),
                                      ("deep_gemm", deep_gemm), ("fuse_swiglu", fuse_swiglu),
-                                     ("h_t_in_backward", h_t_in_backward)) if v is not None}
+                                     ("input_t_in_backward", input_t_in_backward)) if v is not None}
     if isinstance(name, Fp8Recipe):
         return replace(name, **knobs) if knobs else name
     try:

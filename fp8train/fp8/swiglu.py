@@ -10,7 +10,7 @@ both (the recipe's `fuse_swiglu`):
     forward    x -> FP8 rows (+ input.T) once -> g, u GEMMs (BF16)
                h's FP8 rows (+ h.T) made from g and u in one kernel    (h never written)
                down GEMM from those operands
-    backward   [`h_t_in_backward`: h.T made here from g and u instead, so the forward saves none]
+    backward   [`input_t_in_backward`: h.T made here from g and u instead, so the forward saves none]
                dh = down's grad_input (BF16), down's grad_weight
                dg's and du's FP8 rows (+ their .T) made from dh, g, u, one launch each (dg, du never written)
                gate's and up's grad_input (summed) and grad_weight GEMMs from those operands
@@ -86,14 +86,14 @@ def swiglu_mlp_applies(module: nn.Module) -> bool:
 class _SwiGLUMLPFn(torch.autograd.Function):
     """The whole MLP, y = down(silu(gate(x)) * up(x)), from x: its input quantized once for gate and up, h's
     operands made from g and u by the producer, the down GEMM from them. Saves for backward the weights
-    (and their given operands), x's grad_weight operand, g and u (BF16, or FP8 tiles with `save_fp8`) and,
-    unless the backward re-makes it from g and u (`h_t_later`), h's grad_weight operand."""
+    (and their given operands), x's grad_weight operand (or x itself, `x_t_later`), g and u (BF16, or FP8 tiles
+    with `save_fp8`) and, unless the backward makes it from g and u (`h_t_later`), h's grad_weight operand."""
 
     @staticmethod
     def forward(ctx, x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, wg: Tensor | None,
                 wg_scale: Tensor | None, wu: Tensor | None, wu_scale: Tensor | None, wd: Tensor | None,
                 wd_scale: Tensor | None, plan: LinearPlan, out_dtype: torch.dtype, x_cols: bool, h_cols: bool,
-                h_t_later: bool, save_fp8: bool) -> Tensor:
+                x_t_later: bool, h_t_later: bool, save_fp8: bool) -> Tensor:
         x2d = x.reshape(-1, x.shape[-1])
         xr, xr_s, xc, xc_s = ops.quantize_input(x2d.detach(), plan, x_cols)
         g = ops.linear_forward(xr, xr_s, w_gate.detach(), wg, wg_scale, plan, out_dtype)
@@ -101,7 +101,10 @@ class _SwiGLUMLPFn(torch.autograd.Function):
         hr, hr_s, hc, hc_s = ops.quantize_swiglu(g, u, plan, h_cols)
         y = ops.linear_forward(hr, hr_s, w_down.detach(), wd, wd_scale, plan, out_dtype)
         want_dw_gu = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
-        x_saved = ops.wgrad_input(plan, xr, xr_s, xc, xc_s) if want_dw_gu else (None, None)
+        if want_dw_gu:
+            x_saved = (x2d.detach(), None) if x_t_later else ops.wgrad_input(plan, xr, xr_s, xc, xc_s)
+        else:
+            x_saved = (None, None)
         keep_h = ctx.needs_input_grad[3] and not h_t_later
         h_saved = ops.wgrad_input(plan, hr, hr_s, hc, hc_s) if keep_h else (None, None)
         saved_gu = [*_save_fp8(g, plan), *_save_fp8(u, plan)] if save_fp8 else [g, None, u, None]
@@ -120,6 +123,8 @@ class _SwiGLUMLPFn(torch.autograd.Function):
             g = _load_fp8(g, g_scale, p, ctx.gu_shape, ctx.gu_dtype)
             u = _load_fp8(u, u_scale, p, ctx.gu_shape, ctx.gu_dtype)
         want_dx, want_dwg, want_dwu, want_dwd = ctx.needs_input_grad[:4]
+        if (want_dwg or want_dwu) and x_saved_scale is None:  # x itself: input.T's operand made now
+            x_saved, x_saved_scale = ops.quantize_input(x_saved, p, True, make_rows=False)[2:]
         if want_dwd and ctx.h_t_later:  # h.T's operand from g and u, as the forward would have made it
             h_saved, h_saved_scale = ops.quantize_swiglu(g, u, p, True, make_rows=False)[2:]
         # the down projection: dh (grad_input, in g's dtype, as autograd's would be) and its grad_weight
@@ -132,7 +137,7 @@ class _SwiGLUMLPFn(torch.autograd.Function):
                                              want_dx, want_dwu, ctx.x_dtype)
         return ((dxg + dxu).view(ctx.x_shape) if want_dx else None, dwg.to(w_gate.dtype) if want_dwg else None,
                 dwu.to(w_up.dtype) if want_dwu else None, dwd.to(w_down.dtype) if want_dwd else None,
-                *([None] * 12))
+                *([None] * 13))
 
 
 class FP8SwiGLUMLP(nn.Module):
@@ -161,13 +166,14 @@ class FP8SwiGLUMLP(nn.Module):
         if self._fusable():
             gate, up, plan = self.gate_proj, self.up_proj, down.plan(x)
             save_fp8 = self.recipe.swiglu_inputs_fp8 and torch.is_grad_enabled()
-            # h.T re-made in the backward from the saved g and u: where those are the forward's values and
-            # h.T comes from high precision (not with `wgrad_input_from_fp8`, which derives it from h's rows)
-            h_t_later = self.recipe.h_t_in_backward and not save_fp8 and not plan.x_t_from_fp8
+            # h.T made in the backward from the saved g and u (eagerly too): where those are the forward's
+            # values and h.T comes from high precision (not with `wgrad_input_from_fp8`: from h's rows)
+            h_t_later = self.recipe.input_t_in_backward and not save_fp8 and not plan.x_t_from_fp8
             return _SwiGLUMLPFn.apply(x, gate.weight, up.weight, down.weight, *gate.weight_operand(plan),
                                       *up.weight_operand(plan), *down.weight_operand(plan), plan, output_dtype(x),
                                       gate.makes_input_t(plan) or up.makes_input_t(plan),
-                                      down.makes_input_t(plan) and not h_t_later, h_t_later, save_fp8)
+                                      down.computes_grad_weight() and not plan.x_t_from_fp8 and not h_t_later,
+                                      gate.input_t_later(plan) or up.input_t_later(plan), h_t_later, save_fp8)
         g, u = self.gate_proj(x), self.up_proj(x)
         if not self.recipe.swiglu_inputs_fp8 or not torch.is_grad_enabled() or not (g.requires_grad or u.requires_grad):
             return down(ops.swiglu_reference(g, u))

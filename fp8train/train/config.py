@@ -111,11 +111,12 @@ class TrainConfig:
     silu(gate) * up, the gate and up projections' FP8 output gradients in the ones that compute its derivatives
     (neither written in BF16 and read again). The same BF16 arithmetic, 0.9% less kernel time at Qwen2.5-7B on
     the H200 (docs/benchmarks.md). null: the recipe's default (on for hybrid); false: three FP8 Linears."""
-    h_t_in_backward: bool | None = None
-    """With the SwiGLU fused: make the down projection's grad_weight operand (its input, tiled along the tokens)
-    in the backward from the gate and up outputs saved anyway, instead of saving it from the forward: 1 byte
-    per token and intermediate feature and layer less activation memory for one more kernel launch, the same
-    numbers (docs/benchmarks.md). null: the recipe's default."""
+    input_t_in_backward: bool | None = None
+    """Make each FP8 Linear's grad_weight input operand (its input, tiled along the tokens) in the backward
+    instead of saving it from the forward: the fused MLP's down projection from the gate and up outputs saved
+    anyway; compiled, the other Linears from their input, which the compiler recomputes where that is cheap (the
+    attention output). Less activation memory for more backward work, the same numbers (docs/benchmarks.md).
+    null: the recipe's default (off)."""
     deep_gemm: bool = False
     """Run the hybrid recipe's output and grad_input GEMMs on DeepGEMM's SM90 kernel instead of cuBLAS's: the
     same numbers, 2% faster steps at Qwen2.5-7B, 5% for LoRA (docs/benchmarks.md section 0a, which says how to

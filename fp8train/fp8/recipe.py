@@ -119,8 +119,10 @@ class Fp8Recipe:
     tokens, for one more launch in the backward); under torch.compile every other Linear saves its input by
     reference, which the compiler's partitioner recomputes from what the layer keeps anyway (the norm's input,
     the attention output) rather than storing it. Eagerly those Linears keep their 1-byte FP8 copy (the input
-    itself would hold 2-4 bytes per element). The same numbers bit for bit. Not with `swiglu_inputs_fp8` for h
-    (its saved g and u are no longer the forward's) nor with `wgrad_input_from_fp8`."""
+    itself would hold 2-4 bytes per element). The same arithmetic: bit for bit on the CPU, eagerly and compiled;
+    compiled on CUDA inductor may fuse the FP32 norms around a Linear differently once their outputs are saved by
+    reference (last-bit differences, docs/benchmarks.md). Not with `swiglu_inputs_fp8` for h (its saved g and u
+    are no longer the forward's) nor with `wgrad_input_from_fp8`."""
     deep_gemm: bool = False
     """The tile x block GEMMs (output and grad_input, BF16 out) run on DeepGEMM's SM90 kernel instead of
     cuBLAS's where they run on cuBLAS: the same products (bit-identical on the H200), up to 21% faster per GEMM

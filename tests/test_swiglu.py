@@ -300,6 +300,18 @@ def test_converting_again_keeps_the_first_recipe():
     assert "0 Linear layers in FP8, 1 kept in BF16; 14 arrived as FP8Linear, left as they are" in str(report)
 
 
+def _saved_bytes(model, ids) -> int:
+    """Bytes one forward under BF16 autocast saves for backward (a count per saved tensor)."""
+    sizes = []
+
+    def pack(t):
+        sizes.append(t.numel() * t.element_size())
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", torch.bfloat16):
+        model(input_ids=ids, labels=ids)
+    return sum(sizes)
+
+
 def test_fused_mlp_saves_less_for_backward_eagerly():
     """Eagerly autograd keeps silu(g) as well as g and u for the SwiGLU's backward (2 bytes per token and
     intermediate feature); the fused MLP keeps g and u only. (Compiled, inductor's partitioner already
@@ -309,14 +321,7 @@ def test_fused_mlp_saves_less_for_backward_eagerly():
     def saved_bytes(recipe):
         model = tiny()
         convert_to_fp8(model, recipe)
-        sizes = []
-
-        def pack(t):
-            sizes.append(t.numel() * t.element_size())
-            return t
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", torch.bfloat16):
-            model(input_ids=ids, labels=ids)
-        return sum(sizes)
+        return _saved_bytes(model, ids)
 
     tokens, inter, layers = ids.numel(), 256, 2
     assert saved_bytes(UNFUSED) - saved_bytes(FUSED) >= 2 * tokens * inter * layers
@@ -341,14 +346,7 @@ def test_input_t_in_backward_same_numbers_less_saved(recipe):
         convert_to_fp8(model, replace(base, input_t_in_backward=later))
         runs[later] = _step(model, ids)
         runs[later, "compiled"] = _step(model, ids, "aot_eager")
-        sizes = []
-
-        def pack(t):
-            sizes.append(t.numel() * t.element_size())
-            return t
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", torch.bfloat16):
-            model(input_ids=ids, labels=ids)
-        saved[later] = sum(sizes)
+        saved[later] = _saved_bytes(model, ids)
     for a, b in ((False, True), ((False, "compiled"), (True, "compiled"))):
         (la, ga), (lb, gb) = runs[a], runs[b]
         assert torch.equal(la, lb) and ga.keys() == gb.keys(), b

@@ -20,8 +20,9 @@ row-major and the contraction dimension last (the "operand layout", operands.py)
                               or the emulation (dequantize + FP32 matmul, every device)
 
 What the forward saves for backward: the FP8 input.T (1 byte per element; or, with the recipe's
-`wgrad_input_from_fp8`, the FP8 input rows it already made), never the BF16 input and never an FP8 copy of
-the weight: W.T is quantized again (or transposed from the step's cached W) in the backward. Operands cross
+`wgrad_input_from_fp8`, the FP8 input rows it already made; with `input_t_in_backward`, compiled, the input
+itself by reference, for the partitioner to recompute, and input.T is made in the backward), never an FP8 copy
+of the weight: W.T is quantized again (or transposed from the step's cached W) in the backward. Operands cross
 the op boundary as (data, scale) pairs, their specs and the Linear's `LinearPlan` as strings (operands.py).
 
 Eagerly each entry point runs its implementation directly (no dispatcher cost). Under torch.compile on

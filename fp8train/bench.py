@@ -13,7 +13,8 @@ A variant may carry recipe modifiers, for A/B runs in one process: `hybrid+wgrad
 `hybrid+swiglu_fp8` (`swiglu_inputs_fp8`: the SwiGLU's inputs saved for backward in FP8), `hybrid+deep_gemm`
 (`deep_gemm`: output and grad_input on DeepGEMM's kernel), `hybrid+exact` (`pow2_scale: false`),
 `hybrid+unfused` (`fuse_swiglu: false`: three FP8 Linears per MLP instead of the SwiGLU fused into its FP8
-producers, hybrid's default; `+fused` turns it on for the other recipes).
+producers, hybrid's default; `+fused` turns it on for the other recipes), `hybrid+t_bwd` (`input_t_in_backward`:
+grad_weight's input.T made in the backward instead of saved).
 `compiled` applies torch.compile to each decoder layer, for every variant alike (the trainer's
 `train.compile`); `cudagraphs` also replays each layer as CUDA graphs (`train.cuda_graphs`). Step time
 is the median of the timed steps after the warm-up (their range beside it); `--rounds N` runs the variant
@@ -23,7 +24,8 @@ are to BF16 at the same model, length and mode, measured in the same process. `-
 kernel time of one step by category (FP8 and BF16 GEMMs told apart by the cuBLAS kernel name, which a
 CUDA graph replay keeps); `--memory` a breakdown of the peak: FP32 parameters, gradients and AdamW states,
 and what the step saves for backward by kind (FP8, BF16, FP32, the vocabulary-wide logits); not with
-`cudagraphs`, whose replays allocate from the graphs' own pools, outside what the breakdown observes.
+`cudagraphs`, whose replays allocate from the graphs' own pools, outside what the breakdown observes;
+`--top-kernels N` the N kernels with the most time, with their launches and time per launch.
 """
 
 from __future__ import annotations

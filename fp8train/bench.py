@@ -25,7 +25,8 @@ kernel time of one step by category (FP8 and BF16 GEMMs told apart by the cuBLAS
 CUDA graph replay keeps); `--memory` a breakdown of the peak: FP32 parameters, gradients and AdamW states,
 and what the step saves for backward by kind (FP8, BF16, FP32, the vocabulary-wide logits); not with
 `cudagraphs`, whose replays allocate from the graphs' own pools, outside what the breakdown observes;
-`--top-kernels N` the N kernels with the most time, with their launches and time per launch.
+`--top-kernels N` the N kernels with the most time, with their launches and time per launch; `--trace DIR`
+the profiled step's Chrome trace (chrome://tracing, Perfetto) of each variant.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import re
 import statistics
 import tempfile
@@ -186,8 +188,10 @@ def parse_variant(name: str):
 
 
 def run_case(case: BenchCase, *, steps: int = 5, warmup: int = 2, device: str = "cuda", profile: bool = False,
-             activation_checkpointing: bool = False, memory: bool = False, top_kernels: int = 0) -> dict:
-    """Build the model, run `warmup + steps` training steps of one sequence, return the measurements."""
+             activation_checkpointing: bool = False, memory: bool = False, top_kernels: int = 0,
+             trace_dir: str | None = None) -> dict:
+    """Build the model, run `warmup + steps` training steps of one sequence, return the measurements. With
+    `trace_dir`, the profiled step's Chrome trace is written there (gzipped; `trace` in the result names it)."""
     from .data import CptDataConfig
     from .fp8.convert import convert_to_fp8
     from .train.config import LoopConfig, TrainConfig
@@ -250,7 +254,7 @@ def run_case(case: BenchCase, *, steps: int = 5, warmup: int = 2, device: str = 
            "fp8_layers": fp8_layers if fp8_layers is not None else len(trainer.fp8_report.converted),
            "first_step_s": times[0],
            "skipped_steps": trainer.skipped_steps}  # non-finite steps skip the optimizer: not a valid timing
-    if profile or top_kernels:
+    if profile or top_kernels or trace_dir:
         from torch.profiler import ProfilerActivity
         from torch.profiler import profile as torch_profile
 
@@ -261,6 +265,12 @@ def run_case(case: BenchCase, *, steps: int = 5, warmup: int = 2, device: str = 
         res["profile_ms"] = categorize_profile(prof)
         if top_kernels:
             res["top_kernels_ms"] = top_kernel_times(prof, top_kernels)
+        if trace_dir:
+            # (a file name of letters, digits, '.', '_' and '-': a variant's '+' and a model's ':' go)
+            stem = re.sub(r"[^A-Za-z0-9._-]", "_", f"{case.model}-{res['layers']}-{seq}-{case.mode}-{case.variant}")
+            res["trace"] = os.path.join(trace_dir, f"{stem}.json.gz")
+            os.makedirs(trace_dir, exist_ok=True)
+            prof.export_chrome_trace(res["trace"])
     if memory and cuda and _memory_split_applies(case.mode):
         res["memory_gib"] = memory_breakdown(trainer, trainer.next_micro_batches())
     del trainer, model, rows
@@ -372,6 +382,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                    help="the LM head + loss (train.loss_impl); several: every variant with each, BF16 first")
     p.add_argument("--profile", action="store_true", help="kernel time by category of one more step")
     p.add_argument("--top-kernels", type=int, default=0, metavar="N", help="also list the N slowest kernels")
+    p.add_argument("--trace", default=None, metavar="DIR",
+                   help="write the profiled step's Chrome trace (.json.gz, first round) of each variant to DIR")
     p.add_argument("--memory", action="store_true", help="peak memory by kind, one more step (GPU; not with cudagraphs)")
     p.add_argument("--device", default="cuda", help="cuda; cpu only to smoke-test the harness")
     p.add_argument("--out", default=None, help="append each result as a JSON line to this file")
@@ -396,7 +408,8 @@ def main(args: argparse.Namespace | list[str] | None = None) -> int:
                     try:
                         r = run_case(case, steps=args.steps, warmup=args.warmup, device=args.device,
                                      profile=args.profile and rnd == 0, activation_checkpointing=args.ac,
-                                     memory=args.memory and rnd == 0, top_kernels=args.top_kernels if rnd == 0 else 0)
+                                     memory=args.memory and rnd == 0, top_kernels=args.top_kernels if rnd == 0 else 0,
+                                     trace_dir=args.trace if rnd == 0 else None)
                         r["round"] = rnd
                     except Exception as e:  # a peer that fails to import or run (OOM) is reported, not fatal
                         print(f"{case}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)

@@ -1,5 +1,6 @@
 """`fp8train bench` on a CPU (the harness; its numbers mean something only on a GPU) and the profile split."""
 
+import json
 import re
 from types import SimpleNamespace
 
@@ -125,3 +126,19 @@ def test_gemm_backends_table_routes_grad_weight_to_cublas():
     assert layers == 7 and text.count("| 7b |") == 12
     assert (f"cuBLAS {3 * layers:.2f} ms; with `deep_gemm` (output and grad_input on DeepGEMM) {2 * layers:.2f} ms "
             f"({3 / 2:.3f}x); all on DeepGEMM {4 * layers:.2f} ms") in text
+
+
+def test_trace_writes_the_profiled_steps_chrome_trace(tmp_path, capsys):
+    """--trace DIR: each variant's profiled step as a gzipped Chrome trace, named so that any file system
+    (and the device tool's file transfer) takes it: the variant's '+' becomes '_'."""
+    import gzip
+
+    rc = main(["--models", "tiny-qwen2", "--vocab", "512", "--seq", "64", "--device", "cpu", "--variants", "bf16",
+               "hybrid+t_bwd", "--modes", "eager", "--steps", "1", "--warmup", "1", "--trace", str(tmp_path / "tr")])
+    assert rc == 0
+    files = sorted(p.name for p in (tmp_path / "tr").iterdir())
+    assert files == ["tiny-qwen2-2-64-eager-bf16.json.gz", "tiny-qwen2-2-64-eager-hybrid_t_bwd.json.gz"], files
+    names = {e.get("name") for e in json.loads(gzip.open(tmp_path / "tr" / files[1]).read())["traceEvents"]}
+    # one whole training step: the FP8 Linears' and the fused MLP's autograd Functions both ways, the optimizer
+    assert {"_Fp8LinearFn", "_Fp8LinearFnBackward", "_SwiGLUMLPFn", "_SwiGLUMLPFnBackward",
+            "Optimizer.step#AdamW.step"} <= names

@@ -16,7 +16,7 @@ DeepGEMM's kernel). Printed per recipe: ms/step and tokens/s (median over the st
 `--warmup`), peak GPU memory (whole run, model included), the loss of the first and last step, and what
 dynamo compiled: frames compiled, and recompilations with their first reasons (the target: none per step).
 `--profile` adds the CUDA kernel time of one more step by `fp8train bench`'s categories (`--top-kernels N`:
-and its N slowest kernels).
+and its N slowest kernels; `--trace DIR`: its Chrome trace).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from fp8train import cache_fp8_weights, convert_to_fp8, freeze_fp8_weights, parse_recipe
-from fp8train.bench import categorize_profile, top_kernel_times, top_kernels_table
+from fp8train.bench import categorize_profile, top_kernel_times, top_kernels_table, write_trace
 from fp8train.fp8.recipe import MODIFIERS
 from fp8train.train.lora import LoraConfig, apply_lora
 from fp8train.train.model import PRESETS, parallelize_model
@@ -110,7 +110,7 @@ def run_one(recipe: str, a: argparse.Namespace, device: torch.device) -> dict:
         optimizer.zero_grad(set_to_none=True)
         return float(loss.detach())
 
-    seconds, losses, warm, profile_ms, top = [], [], 0, None, None
+    seconds, losses, warm, profile_ms, top, trace = [], [], 0, None, None, None
     try:
         for step in range(a.warmup + a.steps):
             _sync(device)
@@ -128,6 +128,7 @@ def run_one(recipe: str, a: argparse.Namespace, device: torch.device) -> dict:
                 _sync(device)
             profile_ms = categorize_profile(prof)
             top = top_kernel_times(prof, a.top_kernels) if a.top_kernels else None
+            trace = write_trace(prof, str(a.trace), f"lora-{recipe}") if a.trace else None
     finally:
         frozen.close()
         recompile_log.removeHandler(handler)
@@ -146,6 +147,8 @@ def run_one(recipe: str, a: argparse.Namespace, device: torch.device) -> dict:
         out["profile_ms"] = profile_ms
     if top is not None:
         out["top_kernels_ms"] = top
+    if trace is not None:
+        out["trace"] = trace
     del model, optimizer, batches
     gc.collect()
     if device.type == "cuda":
@@ -172,6 +175,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--profile", action="store_true", help="kernel time by category of one more step")
     p.add_argument("--top-kernels", type=int, default=0, metavar="N", help="with --profile: the N slowest kernels too")
+    p.add_argument("--trace", type=Path, default=None, metavar="DIR",
+                   help="with --profile: that step's Chrome trace per recipe (.json.gz) in DIR")
     p.add_argument("--out", type=Path, default=None, help="append one JSON line per recipe here")
     return fill_defaults(p.parse_args(argv), dict(seq=(64, 8192), steps=(2, 10)))
 

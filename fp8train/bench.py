@@ -47,6 +47,7 @@ import torch
 from .fp8.recipe import MODIFIERS, parse_recipe
 
 __all__ = ["BenchCase", "run_case", "parse_variant", "categorize_profile", "top_kernel_times", "top_kernels_table",
+           "write_trace",
            "memory_breakdown", "markdown_table", "main"]
 
 VARIANTS = ("bf16", "hybrid", "tensorwise", "torchao-tensorwise", "torchao-rowwise")
@@ -132,6 +133,15 @@ def top_kernels_table(title: str, rows: list[tuple[str, str, float, int]]) -> li
     return (["", f"Top kernels, ms: {title}", "", "| category | kernel | ms | launches | us each |",
              "|---|---|---|---|---|"]
             + [f"| {c} | `{k}` | {t:.2f} | {n} | {1e3 * t / n:.1f} |" for c, k, t, n in rows])
+
+
+def write_trace(prof, trace_dir: str, name: str) -> str:
+    """Write a torch.profiler run's Chrome trace (chrome://tracing, Perfetto) to `trace_dir`, gzipped, as
+    `name` in letters, digits, '.', '_' and '-' (a variant's '+' becomes '_'); returns its path."""
+    path = os.path.join(trace_dir, re.sub(r"[^A-Za-z0-9._-]", "_", name) + ".json.gz")
+    os.makedirs(trace_dir, exist_ok=True)
+    prof.export_chrome_trace(path)
+    return path
 
 
 def memory_breakdown(trainer, batches: list[dict]) -> dict[str, float]:
@@ -266,11 +276,7 @@ def run_case(case: BenchCase, *, steps: int = 5, warmup: int = 2, device: str = 
         if top_kernels:
             res["top_kernels_ms"] = top_kernel_times(prof, top_kernels)
         if trace_dir:
-            # (a file name of letters, digits, '.', '_' and '-': a variant's '+' and a model's ':' go)
-            stem = re.sub(r"[^A-Za-z0-9._-]", "_", f"{case.model}-{res['layers']}-{seq}-{case.mode}-{case.variant}")
-            res["trace"] = os.path.join(trace_dir, f"{stem}.json.gz")
-            os.makedirs(trace_dir, exist_ok=True)
-            prof.export_chrome_trace(res["trace"])
+            res["trace"] = write_trace(prof, trace_dir, f"{case.model}-{res['layers']}-{seq}-{case.mode}-{case.variant}")
     if memory and cuda and _memory_split_applies(case.mode):
         res["memory_gib"] = memory_breakdown(trainer, trainer.next_micro_batches())
     del trainer, model, rows

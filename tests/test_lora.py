@@ -196,8 +196,10 @@ def test_lora_gpu_benchmark_script_runs_on_cpu(tmp_path):
     """benchmarks/lora_gpu.py (the lead's H200 run) in its CPU mode, eager (compiling on a CPU takes minutes)."""
     bench = load_benchmark("lora_gpu")
     results = bench.main(["--device", "cpu", "--tiny", "--no-compile", "--warmup", "1", "--profile", "--top-kernels",
-                          "3", "--out", str(tmp_path / "lora.jsonl")])
+                          "3", "--trace", str(tmp_path / "tr"), "--out", str(tmp_path / "lora.jsonl")])
     assert [r["recipe"] for r in results] == ["bf16", "hybrid"]
+    assert [Path(r["trace"]).name for r in results] == ["lora-bf16.json.gz", "lora-hybrid.json.gz"]
+    assert all(Path(r["trace"]).stat().st_size > 0 for r in results)
     # one profiled step; no CUDA kernels on a CPU (the table and the top-kernel list are the GPU's)
     assert all(r["profile_ms"]["total"] == 0.0 and r["top_kernels_ms"] == [] for r in results)
     # r=16 on 2 layers: q, o 128->128; k, v 128->64; gate, up 128->256; down 256->128: r x (in + out) each

@@ -117,9 +117,10 @@ class Fp8Recipe:
     instead of in the forward and saved in FP8, so the forward saves nothing for it: the fused MLP's down
     projection makes h.T from the g and u its SwiGLU keeps anyway (~3.3 GiB less at Qwen2.5-7B/22 and 8192
     tokens, for one more launch in the backward); under torch.compile every other Linear saves its input by
-    reference, which the compiler's partitioner recomputes from what the layer keeps anyway (the norm's input,
-    the attention output) rather than storing it. Eagerly those Linears keep their 1-byte FP8 copy (the input
-    itself would hold 2-4 bytes per element). The same arithmetic: bit for bit on the CPU, eagerly and compiled;
+    reference and the compiler's partitioner decides: it recomputes the input where that is cheap (o_proj's, a
+    copy of the attention output) and otherwise quantizes it in the forward as before (the norm outputs: it
+    does not recompute reductions). Eagerly those Linears keep their 1-byte FP8 copy (the input itself would
+    hold 2-4 bytes per element). The same arithmetic: bit for bit on the CPU, eagerly and compiled;
     compiled on CUDA inductor may fuse the FP32 norms around a Linear differently once their outputs are saved by
     reference (last-bit differences, docs/benchmarks.md). Not with `swiglu_inputs_fp8` for h (its saved g and u
     are no longer the forward's) nor with `wgrad_input_from_fp8`."""

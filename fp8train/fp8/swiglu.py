@@ -16,11 +16,12 @@ both (the recipe's `fuse_swiglu`):
                gate's and up's grad_input (summed) and grad_weight GEMMs from those operands
 
 all in one autograd Function (`_SwiGLUMLPFn`), with the same BF16 arithmetic (`ops.swiglu_reference`,
-`ops.swiglu_grads_reference`): on the CPU bit for bit the three FP8Linears' numbers; on CUDA the kernels compute the sigmoid as inductor's code does (the
-GPU's fast exp and division) and round to BF16 where autograd's ops round. With `swiglu_inputs_fp8`, g
-and u are saved for backward as E4M3 1x128 tiles instead of BF16 (COAT's trick), half the bytes (at
-Qwen2.5-7B 75 KB per token per layer in BF16, the largest activation a decoder layer saves); the
-backward's derivatives then read their dequantized values (off by E4M3's rounding, relative 2^-4 at most).
+`ops.swiglu_grads_reference`): on the CPU bit for bit the three FP8Linears' numbers; on CUDA the kernels
+compute the sigmoid as inductor's code does (the GPU's fast exp and division) and round to BF16 where
+autograd's ops round. With `swiglu_inputs_fp8`, g and u are saved for backward as E4M3 1x128 tiles
+instead of BF16 (COAT's trick), half the bytes (at Qwen2.5-7B 75 KB per token per layer in BF16, the largest
+activation a decoder layer saves); the backward's derivatives then read their dequantized values (off by
+E4M3's rounding, relative 2^-4 at most).
 
 The module keeps the replaced MLP's children (and so every parameter name); `convert_to_fp8` swaps it in.
 Where a projection is no plain FP8Linear any more (PEFT wraps it), tracks FP8 health, or has its weight

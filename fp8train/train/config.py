@@ -115,7 +115,7 @@ class TrainConfig:
     """Make each FP8 Linear's grad_weight input operand (its input, tiled along the tokens) in the backward
     instead of saving it from the forward: the fused MLP's down projection from the gate and up outputs saved
     anyway; compiled, the other Linears from their input, which the compiler recomputes where that is cheap (the
-    attention output). Less activation memory for more backward work, the same numbers (docs/benchmarks.md).
+    attention output). Less activation memory for more backward work, the same arithmetic (docs/benchmarks.md).
     null: the recipe's default (off)."""
     deep_gemm: bool = False
     """Run the hybrid recipe's output and grad_input GEMMs on DeepGEMM's SM90 kernel instead of cuBLAS's: the

@@ -284,8 +284,13 @@ def compile_sm90() -> dict:
     for pow2 in (True, False):  # power-of-two scales (the default) and exact ones
         launches = [(name, producer, True, cols) for cols in (True, False) for name, producer in
                     (("activation", 0), ("swiglu h", 1), ("swiglu dg", 2), ("swiglu du", 3))]
-        for name, producer, rows, cols in launches + [("activation x.T", 0, False, True), ("swiglu h.T", 1, False, True)]:
-            consts = dict(ROW_MAX=448.0, COL_MAX=448.0, POW2=pow2, ROWS=rows, COLS=cols, BF16=True, BLOCK=128,
+        launches += [("activation x.T", 0, False, True), ("swiglu h.T", 1, False, True)]
+        # FP32 inputs too: under autocast with FP32 weights the norms' outputs (q/k/v's, gate/up's inputs) are FP32
+        launches += [(f"activation fp32{t}", 0, rows, cols) for t, rows, cols in
+                     (("", True, True), ("", True, False), (".T", False, True))]
+        for name, producer, rows, cols in launches:
+            bf16 = "fp32" not in name
+            consts = dict(ROW_MAX=448.0, COL_MAX=448.0, POW2=pow2, ROWS=rows, COLS=cols, BF16=bf16, BLOCK=128,
                           PRODUCER=producer)
             # the pointers a launch does not use are None, as `_quantize_tiles` passes them
             unused = {"y_ptr": producer == 0, "z_ptr": producer != 2, "qc_ptr": not cols, "sc_ptr": not cols,
@@ -293,6 +298,7 @@ def compile_sm90() -> dict:
             consts.update({n: None for n, none in unused.items() if none})
             act_sig = {n: act_types.get(n, "constexpr") if n not in consts else "constexpr"
                        for n in tq._act_kernel.arg_names}
+            act_sig["x_ptr"] = "*bf16" if bf16 else "*fp32"
             k = triton.compile(ASTSource(tq._act_kernel, act_sig, consts, aligned), target=target,
                                options={"num_warps": tq._NUM_WARPS})
             out[f"{name} pow2={pow2} rows={rows} cols={cols}"] = _resources(k)

@@ -50,6 +50,7 @@ def test_kernels_compile_for_sm90_without_spills():
     res = _check("compile")
     assert {f"swiglu {t} pow2=True rows=True cols=True" for t in ("h", "dg", "du")} <= res.keys()
     assert {f"{t}.T pow2=True rows=False cols=True" for t in ("activation x", "swiglu h")} <= res.keys()  # input.T alone
+    assert "activation fp32 pow2=True rows=True cols=True" in res.keys()  # FP32 inputs: the norms' outputs
     for name, r in res.items():
         assert r["STACK"] == 0, f"{name} spills: {r}"
         assert r["REG"] <= 128, f"{name} uses {r['REG']} registers"

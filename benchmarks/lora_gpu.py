@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from fp8train import cache_fp8_weights, convert_to_fp8, freeze_fp8_weights, parse_recipe
-from fp8train.bench import categorize_profile, top_kernel_times, top_kernels_table, write_trace
+from fp8train.bench import categorize_profile, profile_table, top_kernel_times, top_kernels_table, write_trace
 from fp8train.fp8.recipe import MODIFIERS
 from fp8train.train.lora import LoraConfig, apply_lora
 from fp8train.train.model import PRESETS, parallelize_model
@@ -198,11 +198,7 @@ def main(argv=None) -> list[dict]:
         append_jsonl(a.out, r)
     profiled = [r for r in results if "profile_ms" in r]
     if profiled:
-        cats = [c for c in dict.fromkeys(c for r in profiled for c in r["profile_ms"]) if c != "total"] + ["total"]
-        print("\nCUDA kernel time of one step, ms:\n\n| recipe | " + " | ".join(cats) + " |\n|"
-              + "---|" * (len(cats) + 1))
-        for r in profiled:
-            print(f"| {r['recipe']} | " + " | ".join(f"{r['profile_ms'].get(c, 0.0):.1f}" for c in cats) + " |")
+        print("\n".join(profile_table(["recipe"], [([r["recipe"]], r["profile_ms"]) for r in profiled])))
         for r in (r for r in profiled if r.get("top_kernels_ms")):
             print("\n".join(top_kernels_table(r["recipe"], r["top_kernels_ms"])))
     by = {r["recipe"]: r for r in results}

@@ -46,9 +46,8 @@ import torch
 
 from .fp8.recipe import MODIFIERS, parse_recipe
 
-__all__ = ["BenchCase", "run_case", "parse_variant", "categorize_profile", "top_kernel_times", "top_kernels_table",
-           "write_trace",
-           "memory_breakdown", "markdown_table", "main"]
+__all__ = ["BenchCase", "run_case", "parse_variant", "categorize_profile", "profile_table", "top_kernel_times",
+           "top_kernels_table", "write_trace", "memory_breakdown", "markdown_table", "main"]
 
 VARIANTS = ("bf16", "hybrid", "tensorwise", "torchao-tensorwise", "torchao-rowwise")
 MODES = ("eager", "compiled", "cudagraphs")
@@ -99,13 +98,22 @@ def _kernel_events(prof):
             yield evt.key, t, evt.count
 
 
+def _kernel_category(name: str) -> str:
+    """The first of `_KERNEL_CATEGORIES` whose pattern the kernel's name matches."""
+    return next(cat for cat, pat in _KERNEL_CATEGORIES if re.search(pat, name.lower()))
+
+
+_PROFILE_COLUMNS = ("fp8 gemm", "bf16/fp32 gemm", "quantization", "attention", "norms and elementwise", "optimizer",
+                    "communication", "total")
+
+
 def categorize_profile(prof) -> dict[str, float]:
     """CUDA kernel time (ms) of a torch.profiler run by category (`_kernel_events`). FP8 GEMMs are told by
     the kernel's name, not by the op that launched it: a CUDA graph replay records kernels without their ops."""
     out: dict[str, float] = defaultdict(float, {"fp8 gemm": 0.0, "bf16/fp32 gemm": 0.0})
     for key, t, _ in _kernel_events(prof):
         name = key.lower()
-        cat = next(cat for cat, pat in _KERNEL_CATEGORIES if re.search(pat, name))
+        cat = _kernel_category(name)
         if cat == "gemm":
             cat = "fp8 gemm" if re.search(_FP8_GEMM, name) else "bf16/fp32 gemm"
         out[cat] += t
@@ -122,9 +130,17 @@ def _convert_torchao(model, recipe: str) -> None:
 
 def top_kernel_times(prof, n: int) -> list[tuple[str, str, float, int]]:
     """The n CUDA kernels with the most device time in the profile: (category, name, ms, launches)."""
-    rows = [(next(cat for cat, pat in _KERNEL_CATEGORIES if re.search(pat, name.lower())), name[:120], t, calls)
-            for name, t, calls in _kernel_events(prof)]
+    rows = [(_kernel_category(name), name[:120], t, calls) for name, t, calls in _kernel_events(prof)]
     return sorted(rows, key=lambda r: -r[2])[:n]
+
+
+def profile_table(label_columns: list[str], rows: list[tuple[list, dict[str, float]]]) -> list[str]:
+    """`categorize_profile` results as a markdown table under "CUDA kernel time of one step, ms:" (lines, a
+    blank one first): each row is its labels (one per label column) and its categories' ms."""
+    cols = [*label_columns, *_PROFILE_COLUMNS]
+    return (["", "CUDA kernel time of one step, ms:", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+            + ["| " + " | ".join([*map(str, labels), *(f"{ms.get(c, 0.0):.1f}" for c in _PROFILE_COLUMNS)]) + " |"
+               for labels, ms in rows])
 
 
 def top_kernels_table(title: str, rows: list[tuple[str, str, float, int]]) -> list[str]:
@@ -276,7 +292,8 @@ def run_case(case: BenchCase, *, steps: int = 5, warmup: int = 2, device: str = 
         if top_kernels:
             res["top_kernels_ms"] = top_kernel_times(prof, top_kernels)
         if trace_dir:
-            res["trace"] = write_trace(prof, trace_dir, f"{case.model}-{res['layers']}-{seq}-{case.mode}-{case.variant}")
+            name = f"{case.model}-{res['layers']}-{seq}-{case.mode}-{case.variant}"
+            res["trace"] = write_trace(prof, trace_dir, name)
     if memory and cuda and _memory_split_applies(case.mode):
         res["memory_gib"] = memory_breakdown(trainer, trainer.next_micro_batches())
     del trainer, model, rows
@@ -344,14 +361,9 @@ def markdown_table(results: list[dict]) -> str:
                      + (f" ({r['skipped_steps']} NON-FINITE steps: invalid)" if r.get("skipped_steps") else "") + " |")
     profiled = [r for r in results if "profile_ms" in r]
     if profiled:
-        cats = ["fp8 gemm", "bf16/fp32 gemm", "quantization", "attention", "norms and elementwise", "optimizer",
-                "communication", "total"]
-        lines += ["", "CUDA kernel time of one step, ms:", "",
-                  "| model | seq | mode | variant | " + " | ".join(cats) + " |", "|" + "---|" * (len(cats) + 4)]
-        for r in profiled:
-            p = r["profile_ms"]
-            lines.append(f"| {r['model']}/{r['layers']} | {r['seq']} | {r['mode']} | "
-                         f"{r['variant']} | " + " | ".join(f"{p.get(c, 0.0):.1f}" for c in cats) + " |")
+        lines += profile_table(["model", "seq", "mode", "variant"],
+                               [([f"{r['model']}/{r['layers']}", r["seq"], r["mode"], r["variant"]], r["profile_ms"])
+                                for r in profiled])
     lines += _rounds_table(results)
     for r in (r for r in results if "memory_gib" in r):
         lines += ["", f"Peak memory by kind, GiB: {r['model']}/{r['layers']} {r['seq']} {r['mode']} {r['variant']}", "",

@@ -85,7 +85,7 @@ def run_one(recipe: str, a: argparse.Namespace, device: torch.device) -> dict:
         convert_to_fp8(model, parse_recipe("+".join([base, *knobs])))
     model = apply_lora(model, LoraConfig(rank=a.rank, alpha=2 * a.rank))  # adapters FP32, the base frozen
     parallelize_model(model, activation_checkpointing=a.activation_checkpointing, compile=not a.no_compile)
-    optimizer = build_optimizer(model, OptimConfig(lr=1e-4, weight_decay=0.0, fused=device.type == "cuda"))
+    optimizer = build_optimizer(model, OptimConfig(lr=1e-4, weight_decay=0.0))  # optim.impl auto: Triton on CUDA
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     g = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size

@@ -5,11 +5,13 @@
 The trainer's own pieces (`fp8train.train.optim.clip_grad_norm`, `optimizer_step`, `build_optimizer`) over the
 FP32 parameters of a preset, random values and gradients, no forward. Bytes per parameter: clipping reads
 the gradient for the norm and reads and writes it to scale it (12); AdamW reads parameter, gradient and
-both moments and writes parameter and moments (28); clip then step, the trainer's old optimizer part, is
-both (40); `optimizer_step` with a fused AdamW (the trainer's now) reads the gradient for the norm and
-passes the clip to the fused step as its `grad_scale`, which also writes the scaled gradient back
-(4 + 28 + 4 = 36). The floor is those bytes at the bandwidth of a large device copy measured in the same
-run. Each timed call includes the norm's host sync, as in the trainer.
+both moments and writes parameter and moments (28); clip then step, the trainer's first optimizer part, is
+both (40); `optimizer_step` with torch's fused AdamW reads the gradient for the norm and passes the clip to the
+fused step as its `grad_scale`, which also writes the scaled gradient back (4 + 28 + 4 = 36); with
+fp8train's Triton AdamW (`optim.impl: triton`, the default on CUDA) the step leaves the gradient as it is
+(4 + 28 = 32). The Triton step is also timed at a few other launch shapes. The floor is those bytes at the
+bandwidth of a large device copy measured in the same run. Each timed call includes the norm's host sync, as
+in the trainer.
 """
 
 from __future__ import annotations
@@ -18,6 +20,10 @@ import argparse
 import statistics
 
 import torch
+
+
+# launch shapes of the Triton step besides its default: (elements per iteration, iterations per program, warps)
+_LAUNCHES = [(2048, 4, 8), (1024, 8, 8), (512, 16, 4), (4096, 2, 8), (1024, 2, 4)]
 
 
 def _ms(fn, reps: int = 5, warmup: int = 2) -> float:
@@ -35,7 +41,9 @@ def _ms(fn, reps: int = 5, warmup: int = 2) -> float:
 
 def main(argv: list[str] | None = None) -> None:
     from fp8train.train.model import ModelConfig, build_model
-    from fp8train.train.optim import OptimConfig, build_optimizer, clip_grad_norm, optimizer_step
+    from fp8train.train.adamw import TritonAdamW
+    from fp8train.train.optim import (OptimConfig, _param_groups, _total_norm, build_optimizer, clip_grad_norm,
+                                      optimizer_step)
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="qwen2.5-7b:22", help="PRESET[:LAYERS]")
@@ -56,18 +64,27 @@ def main(argv: list[str] | None = None) -> None:
 
     # Clipping stays active throughout: after the first call the norm is ~max_norm, and both the clip
     # (multiplying by min(1, ...)) and the folded step (dividing by max(1, ...)) still pass over every gradient.
-    rows = [("clip_grad_norm (norm + scale)", _ms(lambda: clip_grad_norm(model, 1.0)), 12)]
-    for fused in (True, False):
-        opt = build_optimizer(model, OptimConfig(lr=1e-5, fused=fused))
-        rows.append((f"AdamW {'fused' if fused else 'foreach'} step", _ms(opt.step), 28))
-        if fused:
+    rows = [("clip_grad_norm (norm + scale)", _ms(lambda: clip_grad_norm(model, 1.0)), 12),
+            ("gradient norm alone", _ms(lambda: _total_norm(list(model.parameters())).item()), 4)]
+    for impl, launch in [("fused", None), ("foreach", None), ("triton", None)] + [("triton", lc) for lc in _LAUNCHES]:
+        if launch is None:
+            opt = build_optimizer(model, OptimConfig(lr=1e-5, impl=impl))
+        else:
+            opt = TritonAdamW(_param_groups(model, 0.1), lr=1e-5, betas=(0.9, 0.95), launch=launch)
+        tag = f"{impl} {launch}" if launch else impl
+        rows.append((f"AdamW {tag} step", _ms(opt.step), 28))
+        if impl == "fused":
             def clip_then_step():
                 clip_grad_norm(model, 1.0)
                 opt.step()
 
-            rows.append(("clip_grad_norm, then fused step (trainer before)", _ms(clip_then_step), 40))
-            rows.append(("optimizer_step: clip folded into the fused step (trainer now)",
+            rows.append(("clip_grad_norm, then fused step (trainer, fifth session)", _ms(clip_then_step), 40))
+            # torch's fused step writes the scaled gradient back: 4 more bytes
+            rows.append(("optimizer_step: clip folded into the fused step (trainer before)",
                          _ms(lambda: optimizer_step(opt, model, 1.0)), 36))
+        if impl == "triton" and launch is None:
+            rows.append(("optimizer_step: clip folded into the Triton step (trainer now)",
+                         _ms(lambda: optimizer_step(opt, model, 1.0)), 32))
         del opt
         torch.cuda.empty_cache()
 
@@ -79,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
         floor = n * bpp / copy_gbs / 1e6
         print(f"| {label} | {ms:.1f} | {bpp} | {n * bpp / ms / 1e6:,.0f} | {floor:.1f} | {ms / floor:.2f} |")
     before, now = (next(ms for label, ms, _ in rows if key in label) for key in ("trainer before", "trainer now"))
-    print(f"\nfolding the clip into the fused step: {before:.1f} -> {now:.1f} ms ({before - now:+.1f} ms saved)")
+    print(f"\nthe trainer's optimizer part: {before:.1f} -> {now:.1f} ms ({before - now:+.1f} ms saved)")
 
 
 if __name__ == "__main__":

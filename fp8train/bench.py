@@ -2,7 +2,7 @@
 
     fp8train bench --models qwen2.5-1.5b qwen2.5-7b:22 --seq 4096 8192 --profile
 
-Every variant runs the trainer's own `Trainer.train_step` (FP32 master weights, fused AdamW, BF16 autocast,
+Every variant runs the trainer's own `Trainer.train_step` (FP32 master weights, AdamW, BF16 autocast,
 grad clipping) on the same random tokens from the same initial weights; only the Linears differ:
   bf16                 nn.Linear under autocast (the standard mixed-precision baseline)
   hybrid, tensorwise   fp8train.convert_to_fp8 with that recipe
@@ -84,6 +84,8 @@ class BenchCase:
     """Embedding rows; None: the preset's (presets sized by a tokenizer get Qwen2.5's 151,936)."""
     loss_impl: str = "chunked"
     """The trainer's `train.loss_impl`: chunked (the default), liger, or hf (full logits)."""
+    optim_impl: str = "auto"
+    """The trainer's `optim.impl`: auto (fp8train's Triton AdamW on CUDA), triton, fused (torch's) or foreach."""
 
 
 def _kernel_events(prof):
@@ -248,7 +250,7 @@ def run_case(case: BenchCase, *, steps: int = 5, warmup: int = 2, device: str = 
     cfg = TrainConfig(stage="cpt", data=CptDataConfig(paths=["(synthetic)"], seq_len=seq),
                       run_dir=tempfile.mkdtemp(prefix=f"fp8train-bench-{case.variant}-"), resume="none",
                       device=device, recipe=recipe, model=mcfg,
-                      optim=OptimConfig(lr=1e-5, min_lr=1e-6, schedule="constant"),
+                      optim=OptimConfig(lr=1e-5, min_lr=1e-6, schedule="constant", impl=case.optim_impl),
                       train=LoopConfig(steps=steps + warmup, global_batch=1, micro_batch=1, compile=case.mode != "eager",
                                        cuda_graphs=case.mode == "cudagraphs", loss_impl=case.loss_impl,
                                        activation_checkpointing=activation_checkpointing))
@@ -271,7 +273,7 @@ def run_case(case: BenchCase, *, steps: int = 5, warmup: int = 2, device: str = 
     step_s = statistics.median(timed_ms) / 1e3
     tflops = flops_per_token(model.config, seq) * seq / step_s / 1e12
     res = {"model": case.model, "layers": model.config.num_hidden_layers, "seq": seq, "variant": case.variant,
-           "loss_impl": case.loss_impl, "mode": case.mode, "step_ms": step_s * 1e3,
+           "loss_impl": case.loss_impl, "optim_impl": case.optim_impl, "mode": case.mode, "step_ms": step_s * 1e3,
            "step_ms_range": [min(timed_ms), max(timed_ms)], "tokens_per_s": seq / step_s, "tflops": tflops,
            # MFU against the BF16 peak for every variant (the FP8 one would halve FP8's figures)
            "mfu_bf16_peak": tflops / (peak_tflops(torch.device(device), fp8=False) or float("nan")),
@@ -293,6 +295,7 @@ def run_case(case: BenchCase, *, steps: int = 5, warmup: int = 2, device: str = 
             res["top_kernels_ms"] = top_kernel_times(prof, top_kernels)
         if trace_dir:
             name = f"{case.model}-{res['layers']}-{seq}-{case.mode}-{case.variant}"
+            name += "".join(f"-{v}" for v, d in ((case.loss_impl, "chunked"), (case.optim_impl, "auto")) if v != d)
             res["trace"] = write_trace(prof, trace_dir, name)
     if memory and cuda and _memory_split_applies(case.mode):
         res["memory_gib"] = memory_breakdown(trainer, trainer.next_micro_batches())
@@ -310,11 +313,11 @@ def _memory_split_applies(mode: str) -> bool:
     return mode != "cudagraphs"
 
 
-_SHAPE_KEYS = ("model", "layers", "seq", "mode", "loss_impl")
+_SHAPE_KEYS = ("model", "layers", "seq", "mode", "loss_impl", "optim_impl")
 
 
 def _base(results: list[dict], r: dict) -> dict | None:
-    """The BF16 result of r's shape, mode and loss, of the same round."""
+    """The BF16 result of r's shape, mode, loss and optimizer, of the same round."""
     return next((b for b in results if b["variant"] == "bf16" and all(b.get(k) == r.get(k) for k in
                  (*_SHAPE_KEYS, "round"))), None)
 
@@ -325,18 +328,24 @@ def _rounds_table(results: list[dict]) -> list[str]:
     groups: dict = defaultdict(list)
     for r in results:
         if (b := _base(results, r)) is not None and r["variant"] != "bf16":
-            groups[(*(r.get(k) for k in _SHAPE_KEYS), r["variant"])].append(
+            groups[(*(r.get(k) for k in _SHAPE_KEYS[:4]), _label(r))].append(
                 (b["step_ms"] / r["step_ms"], r["peak_mem_gib"] / b["peak_mem_gib"]))
     if not any(len(v) > 1 for v in groups.values()):
         return []
     lines = ["", "Across rounds (each against its round's BF16): median (lowest-highest)", "",
              "| model | layers | seq | mode | variant | rounds | speed x BF16 | memory x BF16 |", "|" + "---|" * 8]
-    for (model, layers, seq, mode, _, variant), ratios in groups.items():
+    for (model, layers, seq, mode, variant), ratios in groups.items():
         sp, mem = ([x[i] for x in ratios] for i in (0, 1))
         lines.append(f"| {model} | {layers} | {seq} | {mode} | {variant} | {len(ratios)} | "
                      f"{statistics.median(sp):.3f} ({min(sp):.3f}-{max(sp):.3f}) | "
                      f"{statistics.median(mem):.3f} ({min(mem):.3f}-{max(mem):.3f}) |")
     return lines
+
+
+def _label(r: dict) -> str:
+    """The variant, with the loss and optimizer where they are not the defaults."""
+    label = r["variant"] + (f" ({r['loss_impl']} loss)" if r.get("loss_impl", "chunked") != "chunked" else "")
+    return label + (f" ({r['optim_impl']} AdamW)" if r.get("optim_impl", "auto") != "auto" else "")
 
 
 def _range(r: dict) -> str:
@@ -352,8 +361,7 @@ def markdown_table(results: list[dict]) -> str:
         b = _base(results, r)
         sp = f"{b['step_ms'] / r['step_ms']:.3f}" if b else "-"
         mem = f"{r['peak_mem_gib'] / b['peak_mem_gib']:.3f}" if b else "-"
-        variant = r["variant"] + (f" ({r['loss_impl']} loss)" if r.get("loss_impl", "chunked") != "chunked" else "")
-        variant += f" [round {r['round'] + 1}]" if r.get("round") else ""
+        variant = _label(r) + (f" [round {r['round'] + 1}]" if r.get("round") else "")
         lines.append(f"| {r['model']} | {r['layers']} | {r['seq']} | {r['mode']} | "
                      f"{variant} | {r['step_ms']:.1f}{_range(r)} | {r['tokens_per_s']:,.0f} | {r['tflops']:.0f} | "
                      f"{r['mfu_bf16_peak']:.1%} | {r['peak_mem_gib']:.1f} | {sp} | {mem} | "
@@ -362,14 +370,14 @@ def markdown_table(results: list[dict]) -> str:
     profiled = [r for r in results if "profile_ms" in r]
     if profiled:
         lines += profile_table(["model", "seq", "mode", "variant"],
-                               [([f"{r['model']}/{r['layers']}", r["seq"], r["mode"], r["variant"]], r["profile_ms"])
+                               [([f"{r['model']}/{r['layers']}", r["seq"], r["mode"], _label(r)], r["profile_ms"])
                                 for r in profiled])
     lines += _rounds_table(results)
     for r in (r for r in results if "memory_gib" in r):
-        lines += ["", f"Peak memory by kind, GiB: {r['model']}/{r['layers']} {r['seq']} {r['mode']} {r['variant']}", "",
+        lines += ["", f"Peak memory by kind, GiB: {r['model']}/{r['layers']} {r['seq']} {r['mode']} {_label(r)}", "",
                   "| kind | GiB |", "|---|---|"] + [f"| {k} | {v:.2f} |" for k, v in r["memory_gib"].items()]
     for r in (r for r in results if "top_kernels_ms" in r):
-        lines += top_kernels_table(f"{r['model']}/{r['layers']} {r['seq']} {r['mode']} {r['variant']}",
+        lines += top_kernels_table(f"{r['model']}/{r['layers']} {r['seq']} {r['mode']} {_label(r)}",
                                    r["top_kernels_ms"])
     return "\n".join(lines)
 
@@ -398,6 +406,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--ac", action="store_true", help="activation checkpointing (every variant)")
     p.add_argument("--loss-impl", nargs="+", default=["chunked"], choices=("chunked", "liger", "hf"),
                    help="the LM head + loss (train.loss_impl); several: every variant with each, BF16 first")
+    p.add_argument("--optim-impl", nargs="+", default=["auto"], choices=("auto", "triton", "fused", "foreach"),
+                   help="the AdamW step (optim.impl); several: every variant with each, BF16 first")
     p.add_argument("--profile", action="store_true", help="kernel time by category of one more step")
     p.add_argument("--top-kernels", type=int, default=0, metavar="N", help="also list the N slowest kernels")
     p.add_argument("--trace", default=None, metavar="DIR",
@@ -420,9 +430,9 @@ def main(args: argparse.Namespace | list[str] | None = None) -> int:
             for mode in args.modes:
                 # rounds interleave the variants (A B C A B C): a drift of the machine or of the process
                 # shows as spread across rounds instead of as a difference between variants
-                for rnd, variant, loss in ((i, v, loss) for i in range(args.rounds) for loss in args.loss_impl
-                                           for v in args.variants):
-                    case = BenchCase(name, layers, seq, variant, mode, args.vocab, loss)
+                for rnd, variant, loss, opt in ((i, v, loss, o) for i in range(args.rounds) for loss in args.loss_impl
+                                                for o in args.optim_impl for v in args.variants):
+                    case = BenchCase(name, layers, seq, variant, mode, args.vocab, loss, opt)
                     try:
                         r = run_case(case, steps=args.steps, warmup=args.warmup, device=args.device,
                                      profile=args.profile and rnd == 0, activation_checkpointing=args.ac,

@@ -20,6 +20,21 @@ def test_bench_runs_every_variant_in_one_harness(capsys):
     assert "| hybrid |" in rows[1]
 
 
+def test_optim_impl_runs_every_variant_with_each_optimizer(capsys):
+    """--optim-impl foreach fused: each variant with each AdamW step, each ratio against the BF16 of its own
+    optimizer, the optimizer named where it is not the default."""
+    rc = main(["--models", "tiny-qwen2", "--vocab", "512", "--seq", "64", "--device", "cpu", "--variants", "bf16",
+               "hybrid", "--modes", "eager", "--steps", "1", "--warmup", "1", "--optim-impl", "foreach", "fused"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    rows = [line for line in out.splitlines() if line.startswith("| tiny-qwen2 |")]
+    assert [r.split(" | ")[4] for r in rows] == ["bf16 (foreach AdamW)", "hybrid (foreach AdamW)",
+                                                 "bf16 (fused AdamW)", "hybrid (fused AdamW)"]
+    assert "| 1.000 |" in rows[2]  # the fused BF16 against itself
+    results = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert [r["optim_impl"] for r in results] == ["foreach", "foreach", "fused", "fused"]
+
+
 def test_rounds_interleave_the_variants_and_report_their_spread(capsys):
     """--rounds 2: bf16, hybrid, bf16, hybrid in one process; each round's ratio against its own BF16, and a
     table of each ratio's median and range over the rounds."""

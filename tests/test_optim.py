@@ -119,7 +119,7 @@ def test_schedule_does_not_fit(kwargs, total, match):
     (dict(warmup_ratio=1.0), r"optim\.warmup_ratio must be < 1"),
     (dict(decay_steps=True), r"optim\.decay_steps must be an integer"),
     (dict(decay_ratio=1.5), r"optim\.decay_ratio must be <= 1"),
-    (dict(fused="yes"), r"optim\.fused must be"),
+    (dict(impl="apex"), r"optim\.impl must be one of"),
 ])
 def test_config_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -190,7 +190,9 @@ def test_weight_decay_applies_only_to_decay_group():
 def test_optimizer_rejects_non_fp32_and_picks_foreach_on_cpu():
     opt = build_optimizer(nn.Linear(4, 4), OptimConfig())
     assert opt.param_groups[0]["foreach"] is True and not opt.param_groups[0]["fused"]
-    assert build_optimizer(nn.Linear(4, 4), OptimConfig(fused=True)).param_groups[0]["fused"] is True
+    assert build_optimizer(nn.Linear(4, 4), OptimConfig(impl="fused")).param_groups[0]["fused"] is True
+    with pytest.raises(ValueError, match=r"optim\.impl: triton: .*(Triton|CUDA)"):
+        build_optimizer(nn.Linear(4, 4), OptimConfig(impl="triton"))  # CPU parameters (or no Triton)
     with pytest.raises(ValueError, match=r"parameter 'weight' is torch.bfloat16"):
         build_optimizer(nn.Linear(4, 4).to(torch.bfloat16), OptimConfig())
 
@@ -255,7 +257,7 @@ def _model_and_grads(seed: int, grad_std: float, steps: int):
 def _run(fold: bool, fused: bool, grad_std: float, steps: int = 4, max_norm: float = 1.0, clip: bool = True):
     """`steps` AdamW steps over fixed gradients: `optimizer_step` (fold) or clip_grad_norm then step."""
     model, grads = _model_and_grads(0, grad_std, steps)
-    opt = build_optimizer(model, OptimConfig(lr=1e-2, weight_decay=0.1, fused=fused))
+    opt = build_optimizer(model, OptimConfig(lr=1e-2, weight_decay=0.1, impl="fused" if fused else "foreach"))
     norms = []
     for step_grads in grads:
         for p, g in zip(model.parameters(), step_grads):
@@ -301,7 +303,7 @@ def test_foreach_optimizer_step_is_clip_then_step_bit_for_bit():
 @pytest.mark.parametrize("fused", [True, False])
 def test_optimizer_step_skips_non_finite_and_on_request(fused):
     model, (grads,) = _model_and_grads(1, 1.0, 1)
-    opt = build_optimizer(model, OptimConfig(lr=1e-2, fused=fused))
+    opt = build_optimizer(model, OptimConfig(lr=1e-2, impl="fused" if fused else "foreach"))
     before = [p.detach().clone() for p in model.parameters()]
     for p, g in zip(model.parameters(), grads):
         p.grad = g.clone()
@@ -316,3 +318,26 @@ def test_optimizer_step_skips_non_finite_and_on_request(fused):
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert optimizer_step(opt, model, 0.0) == pytest.approx(norm, rel=1e-6)  # measure-only clip still steps
     assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_restore_step_impl_keeps_the_built_step_across_a_checkpoint():
+    """A checkpoint's param_groups carry the saving run's `fused` / `foreach` flags, which load_state_dict
+    restores; `restore_step_impl` puts back the ones this optimizer was built with (`optim.impl` is free to
+    change on resume) and the step counters where that step keeps them; the state itself is the checkpoint's."""
+    from fp8train.train.optim import restore_step_impl
+
+    model, (grads,) = _model_and_grads(0, 1.0, 1)
+    saved_opt = build_optimizer(model, OptimConfig(lr=1e-2, impl="foreach"))
+    for p, g in zip(model.parameters(), grads):
+        p.grad = g.clone()
+    saved_opt.step()
+    fused = build_optimizer(model, OptimConfig(lr=1e-2, impl="fused"))
+    built = [{k: v for k, v in g.items() if k != "params"} for g in fused.param_groups]
+    fused.load_state_dict(saved_opt.state_dict())
+    assert not fused.param_groups[0]["fused"]  # what torch does: the saving run's flags
+    restore_step_impl(fused, built)
+    assert all(g["fused"] and not g["foreach"] for g in fused.param_groups)
+    first = next(model.parameters())
+    assert fused.state[first]["step"].item() == 1 and fused.state[first]["step"].dtype == torch.float32
+    fused.step()  # the fused step runs on the restored state
+    assert fused.state[first]["step"].item() == 2

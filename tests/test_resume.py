@@ -175,9 +175,12 @@ def test_resume_refuses_a_changed_trajectory_and_writes_nothing(tmp_path, byte_t
 
     longer = Trainer(tiny_config(tmp_path, byte_tokenizer, corpus, **{**_SHORT, "train.steps": 3, "train.log_every": 2,
                                                                        "model.lora.offload_base": "false",
-                                                                       "deep_gemm": "true", "fuse_swiglu": "true"}),
+                                                                       "deep_gemm": "true", "fuse_swiglu": "true",
+                                                                       "optim.impl": "fused"}),
                      progress=False)
     assert longer.step == 2
+    # the step is the config's (torch's fused), not the foreach flags the checkpoint's param_groups carry
+    assert all(g["fused"] and not g["foreach"] for g in longer.optimizer.param_groups)
     assert "config changed since" in capsys.readouterr().out  # recorded in the log
     assert sorted(longer.fit().losses) == [3]
     assert load_config(run_dir / "config.yaml").train.steps == 3

@@ -18,10 +18,13 @@ from typing import Literal
 import torch
 from torch import nn
 
-__all__ = ["OptimConfig", "build_optimizer", "build_scheduler", "clip_grad_norm", "lr_lambda", "optimizer_step"]
+__all__ = ["OptimConfig", "build_optimizer", "build_scheduler", "clip_grad_norm", "lr_lambda", "optimizer_step",
+           "restore_step_impl"]
 
 Schedule = Literal["wsd", "cosine", "constant"]
 _SCHEDULES = ("wsd", "cosine", "constant")
+Impl = Literal["auto", "triton", "fused", "foreach"]
+_IMPLS = ("auto", "triton", "fused", "foreach")
 
 
 @dataclass
@@ -50,8 +53,11 @@ class OptimConfig:
     """`wsd` only: length of the final cosine decay in steps; 0 means use `decay_ratio`."""
     decay_ratio: float = 0.1
     """`wsd` only: decay length as a fraction of the total steps (rounded up), when `decay_steps` is 0."""
-    fused: bool | None = None
-    """Fused AdamW kernel; None picks fused when all parameters are on CUDA, foreach otherwise."""
+    impl: Impl = "auto"
+    """The AdamW step: `triton` (fp8train's, one launch per parameter group, CUDA; fp8train.train.adamw),
+    `fused` (torch's fused kernel), `foreach` (torch's multi-tensor ops, any device); `auto` is `triton`
+    when every parameter is on CUDA and Triton is installed, `foreach` otherwise. All keep torch's AdamW
+    state, so the key is free to change on resume."""
 
     def __post_init__(self) -> None:
         self.lr = _number("lr", self.lr, gt=0.0)
@@ -70,8 +76,8 @@ class OptimConfig:
         self.warmup_ratio = _number("warmup_ratio", self.warmup_ratio, ge=0.0, lt=1.0)
         self.decay_steps = _integer("decay_steps", self.decay_steps)
         self.decay_ratio = _number("decay_ratio", self.decay_ratio, ge=0.0, le=1.0)
-        if self.fused is not None and not isinstance(self.fused, bool):
-            raise ValueError(f"optim.fused must be true, false or null, got {self.fused!r}")
+        if self.impl not in _IMPLS:
+            raise ValueError(f"optim.impl must be one of {list(_IMPLS)}, got {self.impl!r}")
 
 
 def _number(name: str, value: object, *, gt=None, ge=None, lt=None, le=None) -> float:
@@ -185,13 +191,39 @@ def _param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
-    """AdamW over the FP32 parameters of `model`: group 0 decays, group 1 (biases, norms) does not."""
+    """AdamW over the FP32 parameters of `model`: group 0 decays, group 1 (biases, norms) does not; its step
+    as `cfg.impl` says."""
+    from .adamw import TritonAdamW, triton_adamw_available
+
     groups = _param_groups(model, cfg.weight_decay)
-    fused = cfg.fused
-    if fused is None:
-        fused = all(p.is_cuda for g in groups for p in g["params"])
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
-                             fused=fused or None, foreach=None if fused else True)
+    impl = cfg.impl
+    if impl == "auto":
+        cuda = all(p.is_cuda for g in groups for p in g["params"])
+        impl = "triton" if cuda and triton_adamw_available() else "foreach"
+    hyper = dict(lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+    if impl == "triton":
+        try:
+            return TritonAdamW(groups, **hyper)
+        except (ValueError, RuntimeError) as e:
+            raise ValueError(f"optim.impl: triton: {e}") from None
+    return torch.optim.AdamW(groups, **hyper, fused=impl == "fused" or None, foreach=impl == "foreach" or None)
+
+
+_IMPL_KEYS = ("fused", "foreach", "capturable", "differentiable")
+
+
+def restore_step_impl(optimizer: torch.optim.Optimizer, configured: list[dict]) -> None:
+    """After `load_state_dict`: the step this optimizer was built with, from `configured` (its param_groups as
+    built). A checkpoint's param_groups carry the `fused` / `foreach` flags of the run that saved it, which
+    torch restores with the hyperparameters; `optim.impl` is free to change on resume, so they go back. The
+    `step` counters move to where the step keeps them (torch's fused: the parameter's device; else the CPU)."""
+    for group, built in zip(optimizer.param_groups, configured):
+        group.update({k: built[k] for k in _IMPL_KEYS if k in built})
+        on_device = group.get("fused") or group.get("capturable")
+        for p in group["params"]:
+            state = optimizer.state.get(p, {})
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].to(device=p.device if on_device else "cpu", dtype=torch.float32)
 
 
 def _params(model_or_params: nn.Module | Iterable[torch.Tensor]) -> list[torch.Tensor]:
@@ -222,8 +254,12 @@ def clip_grad_norm(model_or_params: nn.Module | Iterable[torch.Tensor], max_norm
     return norm
 
 
-def _is_fused(optimizer: torch.optim.Optimizer) -> bool:
-    return bool(optimizer.param_groups) and all(g.get("fused") for g in optimizer.param_groups)
+def _folds_clip(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the step divides the gradients by `optimizer.grad_scale` (torch's fused AdamW, `TritonAdamW`)."""
+    from .adamw import TritonAdamW
+
+    fused = bool(optimizer.param_groups) and all(g.get("fused") for g in optimizer.param_groups)
+    return fused or isinstance(optimizer, TritonAdamW)
 
 
 def optimizer_step(optimizer: torch.optim.Optimizer, model_or_params: nn.Module | Iterable[torch.Tensor],
@@ -231,16 +267,17 @@ def optimizer_step(optimizer: torch.optim.Optimizer, model_or_params: nn.Module 
     """Clip the gradients to a global L2 norm of `max_norm` and step; return the norm before clipping.
 
     No step, and the gradients left as they are, when `skip` or the norm is not finite (the caller counts
-    it and zeroes them). `max_norm` None or 0 only measures. With a fused AdamW (the default on CUDA) the
-    clip is folded into the update: the fused kernel divides every gradient by `optimizer.grad_scale` (the
-    hook GradScaler uses), here max(1, (norm + 1e-6) / max_norm), so the gradients are read for the norm
-    and then by the update (which writes the scaled gradient back), with no clipping pass of their own.
-    It divides where torch's clip multiplies by min(1, max_norm / (norm + 1e-6)): while clipping is active
-    a clipped gradient can differ in its last bit; otherwise the scale is exactly 1. Other optimizers
-    (foreach AdamW, the CPU default): clip then step, as before. One host sync either way: the norm.
+    it and zeroes them). `max_norm` None or 0 only measures. With `TritonAdamW` (the default on CUDA) or
+    torch's fused AdamW the clip is folded into the update: the step divides every gradient by
+    `optimizer.grad_scale` (the hook GradScaler uses), here max(1, (norm + 1e-6) / max_norm), so the
+    gradients are read for the norm and then by the update, with no clipping pass of their own (torch's
+    fused kernel also writes the scaled gradient back; `TritonAdamW` leaves it unclipped). It divides where
+    torch's clip multiplies by min(1, max_norm / (norm + 1e-6)): while clipping is active a clipped gradient
+    can differ in its last bit; otherwise the scale is exactly 1. foreach AdamW (the CPU default): clip
+    then step. One host sync either way: the norm.
     """
     params = _params(model_or_params)
-    if not _is_fused(optimizer):
+    if not _folds_clip(optimizer):
         norm = clip_grad_norm(params, None if skip else max_norm)
         if not skip and math.isfinite(norm):
             optimizer.step()

@@ -36,7 +36,7 @@ from .loss import use_loss
 from .metrics import MetricsLogger, Throughput, flops_per_token, peak_memory_gib, peak_tflops
 from .lora import apply_lora, is_lora
 from .model import PRESETS, build_model, check_weights_match, load_model_tokenizer, parallelize_model
-from .optim import build_optimizer, build_scheduler, optimizer_step
+from .optim import build_optimizer, build_scheduler, optimizer_step, restore_step_impl
 from .resume import plan_resume
 
 __all__ = ["NonFiniteLossError", "TrainResult", "Trainer", "train"]
@@ -187,6 +187,7 @@ class Trainer:
             check_weights_match(self.model, ckpt.path / "model", f"checkpoint {ckpt.path}")
         configured = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         state = load_checkpoint(ckpt, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler)
+        restore_step_impl(self.optimizer, configured)  # optim.impl is the config's, not the saving run's
         if self._resume_plan.forced:  # resume=force: the config's optimizer and schedule apply from here on
             sched = self.scheduler
             for group, new in zip(self.optimizer.param_groups, configured):

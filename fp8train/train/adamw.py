@@ -1,0 +1,201 @@
+"""AdamW in one Triton launch per parameter group: torch's AdamW, its state and checkpoints, streamed at
+memory speed.
+
+The step is memory-bound: per FP32 parameter it reads the parameter, its gradient and both moments and
+writes the parameter and the moments (28 bytes). torch's fused AdamW reached 1.22x that floor at the
+Qwen2.5-7B/22 shape on an H200 (docs/benchmarks.md), and with the clip folded in as its `grad_scale` it also
+writes the scaled gradient back (4 bytes more). `TritonAdamW` launches one kernel per parameter group over
+all its tensors (a table of their addresses, 8,192 elements per program) and leaves the gradients as they
+are. What it computes, per element, in FP32 with every operation rounded once (no fused multiply-add, a
+correctly rounded division and square root), is `adamw_reference`; on a CPU the Triton interpreter runs
+the same kernel and equals it bit for bit (tests/test_adamw.py). It is torch's AdamW up to the order of
+rounding: the parameter decays first, m moves towards g as torch's `lerp`, v = beta2 v + (1 - beta2) g^2,
+then p -= lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps).
+
+State is torch's (`step` as a CPU tensor, `exp_avg`, `exp_avg_sq`), so a checkpoint moves freely between
+this optimizer and torch's AdamW, fused or not. Gradient clipping folds in as with torch's fused AdamW: the
+caller sets `optimizer.grad_scale` (a device tensor) for one step and every gradient is divided by it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: build_optimizer picks torch's AdamW there
+    triton = None
+
+__all__ = ["TritonAdamW", "adamw_reference", "step_scalars", "triton_adamw_available"]
+
+# (elements per loop iteration of a program, iterations per program, warps): 8 elements per thread, two 16-byte
+# loads a stream; 8,192 elements a program, so the tensor lookup is paid once per 32 KiB of each stream
+_LAUNCH = (1024, 8, 4)
+
+
+def _f32(x: float) -> float:
+    """x rounded to FP32: the value the kernel receives for a Python float argument."""
+    return torch.tensor(x, dtype=torch.float32).item()
+
+
+def step_scalars(lr: float, weight_decay: float, betas: tuple[float, float], eps: float, step: int) -> dict:
+    """The FP32 scalars of step `step` (1-based): made on the host in FP64 as torch's AdamW makes them, then
+    rounded to FP32 once."""
+    beta1, beta2 = betas
+    return dict(decay=_f32(1 - lr * weight_decay), one_minus_beta1=_f32(1 - beta1), beta2=_f32(beta2),
+                one_minus_beta2=_f32(1 - beta2), eps=_f32(eps), step_size=_f32(lr / (1 - beta1 ** step)),
+                bc2_sqrt=_f32((1 - beta2 ** step) ** 0.5))
+
+
+def adamw_reference(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, scalars: dict,
+                    grad_scale: torch.Tensor | None = None) -> None:
+    """One AdamW step of FP32 `p` in place (and its moments `m`, `v`; `g` is not written), as `TritonAdamW`'s
+    kernel computes it: each line one FP32 operation per element, rounded once."""
+    s = scalars
+
+    # Division and square root correctly rounded: evaluated in FP64 and rounded once to FP32 (exact, as FP64
+    # carries more than 2 * 24 + 2 bits); torch's FP32 CPU kernels turn a division by a scalar into a multiply
+    # by its reciprocal and take square roots within an ulp.
+    def div(a, b):
+        return (a.double() / (b.double() if torch.is_tensor(b) else b)).float()
+
+    def sqrt(a):
+        return a.double().sqrt().float()
+
+    if grad_scale is not None:
+        g = div(g, grad_scale)
+    p.mul_(s["decay"])
+    m.add_((g - m) * s["one_minus_beta1"])
+    v.mul_(s["beta2"]).add_((g * g) * s["one_minus_beta2"])
+    p.sub_(div(m, div(sqrt(v), s["bc2_sqrt"]) + s["eps"]) * s["step_size"])
+
+
+if triton is not None:
+    @triton.jit
+    def _adamw_kernel(addr_ptr, hyper_ptr, chunk_ptr, grad_scale_ptr,
+                      decay, one_minus_beta1, beta2, one_minus_beta2, eps,
+                      HAS_GRAD_SCALE: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+        """Program c updates elements [j * BLOCK * ITERS, (j + 1) * BLOCK * ITERS) of tensor t, where
+        (t, j) = chunk[c]; tensor t's row of the address table holds the addresses of p, g, m, v and its size,
+        its row of `hyper` its step size and sqrt(1 - beta2^step)."""
+        c = tl.program_id(0)
+        t = tl.load(chunk_ptr + 2 * c)
+        j = tl.load(chunk_ptr + 2 * c + 1).to(tl.int64)
+        row = addr_ptr + 5 * t
+        p_ptr = tl.load(row).to(tl.pointer_type(tl.float32))
+        g_ptr = tl.load(row + 1).to(tl.pointer_type(tl.float32))
+        m_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
+        v_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
+        n = tl.load(row + 4)
+        step_size = tl.load(hyper_ptr + 2 * t)
+        bc2_sqrt = tl.load(hyper_ptr + 2 * t + 1)
+        if HAS_GRAD_SCALE:
+            grad_scale = tl.load(grad_scale_ptr)
+        start = j * (BLOCK * ITERS)
+        for i in tl.range(ITERS):
+            offs = start + i * BLOCK + tl.arange(0, BLOCK)
+            mask = offs < n
+            p = tl.load(p_ptr + offs, mask=mask)
+            g = tl.load(g_ptr + offs, mask=mask)
+            m = tl.load(m_ptr + offs, mask=mask)
+            v = tl.load(v_ptr + offs, mask=mask)
+            if HAS_GRAD_SCALE:
+                g = tl.div_rn(g, grad_scale)
+            p = p * decay
+            m = m + (g - m) * one_minus_beta1
+            v = v * beta2 + (g * g) * one_minus_beta2
+            p = p - tl.div_rn(m, tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps) * step_size
+            tl.store(p_ptr + offs, p, mask=mask)
+            tl.store(m_ptr + offs, m, mask=mask)
+            tl.store(v_ptr + offs, v, mask=mask)
+
+
+def triton_adamw_available() -> bool:
+    """Whether Triton is importable (the kernel runs on CUDA tensors, or anywhere under Triton's interpreter)."""
+    return triton is not None
+
+
+def _interpreted() -> bool:
+    return triton is not None and not isinstance(_adamw_kernel, triton.runtime.JITFunction)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t  # FSDP2: this rank's shard
+
+
+class TritonAdamW(torch.optim.AdamW):
+    """torch's AdamW (decoupled weight decay; no amsgrad, maximize or capturable) with one Triton launch per
+    parameter group. FP32 parameters and gradients on CUDA (FSDP2 shards included: each rank steps its own).
+    `optimizer.grad_scale`, a one-element device tensor set for one step, divides every gradient (the clip)."""
+
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, *, launch: tuple[int, int, int] = _LAUNCH):
+        if triton is None:
+            raise RuntimeError("TritonAdamW needs Triton (it ships with torch's CUDA builds)")
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.dtype != torch.float32 or not (p.is_cuda or _interpreted()):
+                    raise ValueError(f"TritonAdamW steps FP32 CUDA parameters, got {p.dtype} on {p.device}")
+        self._launch = launch  # (block, iterations, warps); benchmarks/optim_step.py compares a few
+        self._chunk_maps: dict[tuple, torch.Tensor] = {}
+
+    def _chunk_map(self, sizes: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        """[chunks, 2] int32: (tensor, chunk within it) for each program; depends only on the sizes."""
+        key = (sizes, device)
+        if key not in self._chunk_maps:
+            block, iters, _ = self._launch
+            counts = torch.tensor([-(-n // (block * iters)) for n in sizes])
+            tensor = torch.repeat_interleave(torch.arange(len(sizes)), counts)
+            first = torch.cumsum(counts, 0) - counts
+            within = torch.arange(len(tensor)) - first[tensor]
+            self._chunk_maps[key] = torch.stack([tensor, within], 1).to(torch.int32).to(device)
+        return self._chunk_maps[key]
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("TritonAdamW.step takes no closure")
+        grad_scale = getattr(self, "grad_scale", None)
+        for group in self.param_groups:
+            if group["amsgrad"] or group["maximize"] or group["capturable"] or group["differentiable"]:
+                raise ValueError("TritonAdamW: amsgrad, maximize, capturable and differentiable are not supported")
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            rows, steps = [], []
+            for p in params:
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                elif state["step"].device.type != "cpu":  # loaded from a fused or capturable AdamW's checkpoint
+                    state["step"] = state["step"].cpu()
+                tensors = [_local(t) for t in (p, p.grad, state["exp_avg"], state["exp_avg_sq"])]
+                if any(t.dtype != torch.float32 or not t.is_contiguous() for t in tensors):
+                    raise ValueError("TritonAdamW steps contiguous FP32 parameters, gradients and moments; got "
+                                     f"{[(t.dtype, t.is_contiguous()) for t in tensors]}")
+                rows.append([t.data_ptr() for t in tensors] + [tensors[0].numel()])
+                steps.append(state["step"])
+            torch._foreach_add_(steps, 1)
+            lr, wd, betas, eps = group["lr"], group["weight_decay"], group["betas"], group["eps"]
+            hyper, first = [], None
+            for step in steps:
+                t = int(step.item())
+                if t != first:  # the steps of a group agree, except after loading parameters one by one
+                    s, first = step_scalars(lr, wd, betas, eps, t), t
+                hyper.append([s["step_size"], s["bc2_sqrt"]])
+            device = _local(params[0]).device
+            chunks = self._chunk_map(tuple(r[4] for r in rows), device)
+            if chunks.numel() == 0:
+                continue
+            addr = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
+            hyper = torch.tensor(hyper, dtype=torch.float32).to(device, non_blocking=True)
+            scale = grad_scale.float().reshape(1) if grad_scale is not None else hyper  # (unused when absent)
+            _adamw_kernel[(chunks.shape[0],)](
+                addr, hyper, chunks, scale, s["decay"], s["one_minus_beta1"], s["beta2"], s["one_minus_beta2"],
+                s["eps"], HAS_GRAD_SCALE=grad_scale is not None, BLOCK=self._launch[0], ITERS=self._launch[1],
+                num_warps=self._launch[2], enable_fp_fusion=False)
+        return None

@@ -1,0 +1,216 @@
+"""CPU checks of the Triton AdamW kernel, run by tests/test_adamw.py in a subprocess.
+
+    TRITON_INTERPRET=1 python tests/_adamw_kernel_checks.py interpret  # TritonAdamW in Triton's interpreter
+    TRITON_INTERPRET=1 python tests/_adamw_kernel_checks.py fsdp       # ... stepping FSDP2 shards (2 CPU ranks)
+    python tests/_adamw_kernel_checks.py compile                       # SM90 machine code: registers, spills, FMAs
+
+`interpret` steps `TritonAdamW` on CPU tensors (the interpreter runs the kernel there) and compares it, bit for
+bit, with `adamw_reference`, and within FP32 rounding with torch's AdamW and an FP64 AdamW; `compile` builds
+the kernel for SM90 as the launch does. Prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import triton
+
+from fp8train.train import adamw
+
+_CHUNK = adamw._LAUNCH[0] * adamw._LAUNCH[1]
+_SIZES = (1, 1000, _CHUNK + 7, 3 * _CHUNK, 20_000)  # ragged, one chunk plus a tail, several chunks
+_HP = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8)
+
+
+def _params(seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i, n in enumerate(_SIZES):
+        p = torch.randn(n, generator=g) * (0.02 if i % 2 else 1.0)
+        p[: n // 10] *= 100.0  # a spread of magnitudes
+        out.append(torch.nn.Parameter(p))
+    return out
+
+
+def _groups(params, wd=0.1):
+    return [{"params": params[::2], "weight_decay": wd}, {"params": params[1::2], "weight_decay": 0.0}]
+
+
+def _grads(params, step: int, skip: int | None = None):
+    g = torch.Generator().manual_seed(1000 + step)
+    for i, p in enumerate(params):
+        p.grad = None if i == skip else torch.randn(p.shape, generator=g) * 10.0 ** (i % 3 - 2)
+
+
+def _bits(t):
+    return t.detach().view(torch.int32)
+
+
+def interpret() -> dict:
+    failures = []
+    params = _params(0)
+    ref = [p.detach().clone() for p in params]
+    ref_state = [(torch.zeros_like(p), torch.zeros_like(p)) for p in params]
+    torch_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    f64 = [p.detach().double() for p in params]
+    f64_state = [(torch.zeros_like(p), torch.zeros_like(p)) for p in f64]
+    opt = adamw.TritonAdamW(_groups(params), **_HP)
+    torch_opt = torch.optim.AdamW(_groups(torch_params), **_HP, foreach=True)
+    steps = {i: 0 for i in range(len(params))}
+    for step in range(1, 6):
+        skip = 3 if step == 2 else None  # a parameter without a gradient takes no step
+        _grads(params, step, skip)
+        _grads(torch_params, step, skip)
+        scale = torch.tensor([2.5]) if step in (3, 4) else None  # the clip, folded
+        opt.grad_scale = scale
+        opt.step()
+        del opt.grad_scale
+        if scale is not None:
+            for p in torch_params:
+                if p.grad is not None:
+                    p.grad.div_(scale)
+        torch_opt.step()
+        for i, p in enumerate(params):
+            if p.grad is None:
+                continue
+            steps[i] += 1
+            wd = 0.1 if i % 2 == 0 else 0.0
+            s = adamw.step_scalars(_HP["lr"], wd, _HP["betas"], _HP["eps"], steps[i])
+            adamw.adamw_reference(ref[i], p.grad, *ref_state[i], s, scale)
+            g = p.grad.double() / (scale.double() if scale is not None else 1.0)
+            m, v = f64_state[i]
+            f64[i].mul_(1 - _HP["lr"] * wd)
+            m.mul_(_HP["betas"][0]).add_(g, alpha=1 - _HP["betas"][0])
+            v.mul_(_HP["betas"][1]).add_(g * g, alpha=1 - _HP["betas"][1])
+            bc1, bc2 = 1 - _HP["betas"][0] ** steps[i], 1 - _HP["betas"][1] ** steps[i]
+            f64[i].sub_(_HP["lr"] / bc1 * m / ((v / bc2).sqrt() + _HP["eps"]))
+        for i, p in enumerate(params):
+            st = opt.state[p]
+            if not torch.equal(_bits(p), _bits(ref[i])) or not torch.equal(_bits(st["exp_avg"]), _bits(ref_state[i][0])) \
+                    or not torch.equal(_bits(st["exp_avg_sq"]), _bits(ref_state[i][1])):
+                failures.append(f"step {step} tensor {i} ({p.numel()}): not the reference's bits")
+            if int(st["step"].item()) != steps[i]:
+                failures.append(f"step {step} tensor {i}: state step {st['step'].item()} != {steps[i]}")
+    # against torch's AdamW and FP64: within a few FP32 roundings of the update
+    worst = {"vs torch": 0.0, "vs fp64": 0.0, "torch vs fp64": 0.0}
+    for p, tp, p0, d in zip(params, torch_params, _params(0), f64):
+        moved = (d - p0.double()).abs().max().item()
+        worst["vs torch"] = max(worst["vs torch"], (p.double() - tp.double()).abs().max().item() / moved)
+        worst["vs fp64"] = max(worst["vs fp64"], ((p.double() - d).abs() / (d.abs() * 2 ** -23 + 1e-3 * moved)).max().item())
+        worst["torch vs fp64"] = max(worst["torch vs fp64"],
+                                     ((tp.double() - d).abs() / (d.abs() * 2 ** -23 + 1e-3 * moved)).max().item())
+    if worst["vs torch"] > 1e-4:
+        failures.append(f"differs from torch's AdamW by {worst['vs torch']:.2e} of the update")
+    if worst["vs fp64"] > 8:
+        failures.append(f"differs from FP64 AdamW by {worst['vs fp64']:.1f} (units: ulp of p + 1e-3 of the update)")
+    # a checkpoint moves both ways: ours -> torch's AdamW (the same keys) and ours -> ours (the same next step)
+    state = copy.deepcopy(opt.state_dict())  # load_state_dict keeps the tensors it is given
+    other = torch.optim.AdamW(_groups(torch_params), **_HP, foreach=True)
+    other.load_state_dict(state)
+    if sorted(other.state_dict()["state"][0]) != ["exp_avg", "exp_avg_sq", "step"]:
+        failures.append(f"state keys {sorted(other.state_dict()['state'][0])}")
+    clones = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    back = adamw.TritonAdamW(_groups(clones), **_HP)
+    back.load_state_dict(state)
+    _grads(params, 9)
+    for c, p in zip(clones, params):
+        c.grad = p.grad.clone()
+    opt.step()
+    back.step()
+    if not all(torch.equal(_bits(c), _bits(p)) for c, p in zip(clones, params)):
+        failures.append("a state_dict round trip changed the next step")
+    return {"failures": failures, "worst": worst}
+
+
+def _fsdp_rank(rank: int, world: int, port: int, out: str) -> None:
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from fp8train.train.optim import optimizer_step
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        results = []
+        for sharded in (False, True):
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(64, 300), torch.nn.Linear(300, 10))
+            if sharded:
+                fully_shard(model)
+            opt = adamw.TritonAdamW([{"params": list(model.parameters()), "weight_decay": 0.1}], lr=1e-2,
+                                    betas=(0.9, 0.95))
+            states = []
+            for step in range(4):
+                x = torch.randn(8, 64, generator=torch.Generator().manual_seed(step))
+                model(x).square().sum().backward()  # every rank the same batch: FSDP's mean is exact
+                # no clip in the first three: a sharded norm sums in another order, its last bit may differ
+                optimizer_step(opt, model, 0.5 if step == 3 else 0.0)
+                opt.zero_grad(set_to_none=True)
+                states.append([(p.full_tensor() if sharded else p).detach().clone() for p in model.parameters()])
+            results.append(states)
+        if rank == 0:
+            same = all(torch.equal(_bits(a), _bits(b)) for s, t in zip(results[0][:3], results[1][:3])
+                       for a, b in zip(s, t))
+            clipped = max(((a - b).abs().max() / (a - c).abs().max()).item()
+                          for a, b, c in zip(results[0][3], results[1][3], results[0][2]))
+            shards = [tuple(p.to_local().shape) for p in model.parameters()]
+            Path(out).write_text(json.dumps({"same": same, "clipped_step_diff": clipped, "shards": shards}))
+    finally:
+        dist.destroy_process_group()
+
+
+def fsdp() -> dict:
+    """Two CPU ranks (gloo), FSDP2: each steps its own shards (DTensors); the gathered parameters after three
+    steps equal, bit for bit, one process stepping the whole model, and after a fourth, clipped, within
+    rounding of the norm (relative to the step's move)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "fsdp.json")
+        mp.spawn(_fsdp_rank, args=(2, port, out), nprocs=2)
+        return json.loads(Path(out).read_text())
+
+
+def compile_sm90() -> dict:
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig = {n: "constexpr" for n in adamw._adamw_kernel.arg_names}
+    sig.update(addr_ptr="*i64", hyper_ptr="*fp32", chunk_ptr="*i32", grad_scale_ptr="*fp32", decay="fp32",
+               one_minus_beta1="fp32", beta2="fp32", one_minus_beta2="fp32", eps="fp32")
+    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    out = {}
+    for has_scale in (True, False):
+        for fusion in (False, True):
+            consts = dict(HAS_GRAD_SCALE=has_scale, BLOCK=adamw._LAUNCH[0], ITERS=adamw._LAUNCH[1])
+            k = triton.compile(ASTSource(adamw._adamw_kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
+                               options={"num_warps": adamw._LAUNCH[2], "enable_fp_fusion": fusion})
+            with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+                f.write(k.asm["cubin"])
+                f.flush()
+                res = subprocess.run([str(tools / "cuobjdump"), "-res-usage", f.name], capture_output=True,
+                                     text=True, check=True).stdout
+                sass = subprocess.run([str(tools / "cuobjdump"), "-sass", f.name], capture_output=True, text=True,
+                                      check=True).stdout
+            r = {k: int(v) for k, v in re.findall(r"(REG|STACK):(\d+)", res)}
+            r["FFMA"] = len(re.findall(r"\bFFMA\b", sass))
+            out[f"grad_scale={has_scale} fp_fusion={fusion}"] = r
+    return out
+
+
+if __name__ == "__main__":
+    print(json.dumps({"interpret": interpret, "fsdp": fsdp, "compile": compile_sm90}[sys.argv[1]]()))

@@ -1,0 +1,86 @@
+"""fp8train's AdamW kernel (fp8train.train.adamw) on a CPU: in Triton's interpreter against its reference,
+torch's AdamW and FP64, and its SM90 machine code. Both in subprocesses, as tests/test_triton_kernels.py runs
+the quantization kernels (TRITON_INTERPRET is read when a kernel is defined); skipped where Triton for the CPU
+checks is absent. The CUDA launch is checked on the device: tests/test_gpu.py."""
+
+import functools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fp8train.train.adamw import adamw_reference, step_scalars
+
+ROOT = Path(__file__).resolve().parent.parent
+TRITON_DIR = ROOT / ".venv" / "triton-cpu"
+needs_triton = pytest.mark.skipif(not (TRITON_DIR / "triton").is_dir(),
+                                  reason=f"Triton for the CPU checks is not installed in {TRITON_DIR} (make test does it)")
+
+
+@functools.cache
+def _check(mode: str) -> dict:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TRITON_DIR), str(ROOT)])}
+    if mode in ("interpret", "fsdp"):
+        env["TRITON_INTERPRET"] = "1"
+    else:
+        env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "_adamw_kernel_checks.py"), mode], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@needs_triton
+def test_triton_adamw_equals_its_reference_and_tracks_torch():
+    """Five steps over two parameter groups (decay and none), ragged sizes across chunk boundaries, a parameter
+    without a gradient in one step, the clip folded in for two: parameters and both moments equal
+    `adamw_reference` bit for bit; torch's AdamW within 1e-4 of the distance moved, FP64 AdamW as close as
+    torch's own; a state_dict loads into torch's AdamW and back without changing the next step."""
+    res = _check("interpret")
+    assert res["failures"] == []
+    assert res["worst"]["vs fp64"] <= 2 * res["worst"]["torch vs fp64"] + 1e-3
+
+
+@needs_triton
+def test_triton_adamw_steps_fsdp2_shards_as_one_process_steps_the_whole():
+    """Two CPU ranks, FSDP2: each rank's kernel steps its own shards of parameters, gradients and moments
+    (DTensors); the gathered parameters after three steps equal one process's bit for bit, and after a fourth
+    with the clip (its norm reduced across ranks, so summed in another order) within 1e-5 of the step's move."""
+    res = _check("fsdp")
+    assert res["same"] and res["shards"] == [[150, 64], [150], [5, 300], [5]]
+    assert res["clipped_step_diff"] < 1e-5
+
+
+@needs_triton
+def test_triton_adamw_compiles_for_sm90_without_spills():
+    """As launched (no fused multiply-add, so that the GPU rounds each operation as the reference does): no
+    spills, and few enough registers for several programs per SM (a streaming kernel needs bytes in flight)."""
+    for name, r in _check("compile").items():
+        assert r["STACK"] == 0, f"{name} spills: {r}"
+        assert r["REG"] <= 96, f"{name} uses {r['REG']} registers"
+    res = _check("compile")
+    # the option reaches the compiler: with fusion the multiply-adds of the update become FMAs
+    assert res["grad_scale=True fp_fusion=True"]["FFMA"] > res["grad_scale=True fp_fusion=False"]["FFMA"]
+
+
+def test_reference_is_adamw():
+    """The reference against a textbook FP64 AdamW step (decoupled decay, bias corrections, the gradient divided
+    by the clip's scale): each result within a few FP32 roundings of the magnitudes it is made from."""
+    g = torch.Generator().manual_seed(0)
+    p, grad = torch.randn(4096, generator=g), torch.randn(4096, generator=g) * 1e-2
+    m, v = torch.randn(4096, generator=g) * 1e-3, torch.rand(4096, generator=g) * 1e-4
+    p64, m64, v64, g64 = p.double(), m.double(), v.double(), grad.double() / 3.0
+    lr, wd, (b1, b2), eps, t = 1e-3, 0.1, (0.9, 0.95), 1e-8, 7
+    adamw_reference(p, grad, m, v, step_scalars(lr, wd, (b1, b2), eps, t), torch.tensor([3.0]))
+    m_terms = (b1 * m64).abs() + ((1 - b1) * g64).abs()
+    m64 = b1 * m64 + (1 - b1) * g64
+    v64 = b2 * v64 + (1 - b2) * g64 ** 2
+    update = lr / (1 - b1 ** t) * m64 / ((v64 / (1 - b2 ** t)).sqrt() + eps)
+    p_terms = (p64 * (1 - lr * wd)).abs() + update.abs()
+    p64 = p64 * (1 - lr * wd) - update
+    for got, want, terms in ((m, m64, m_terms), (v, v64, v64), (p, p64, p_terms)):
+        assert ((got.double() - want).abs() <= 4 * 2.0 ** -24 * terms).all()

@@ -23,7 +23,7 @@ import torch
 
 
 # launch shapes of the Triton step besides its default: (elements per iteration, iterations per program, warps)
-_LAUNCHES = [(2048, 4, 8), (1024, 8, 8), (512, 16, 4), (4096, 2, 8), (1024, 2, 4)]
+_LAUNCHES = [(2048, 4, 8), (1024, 8, 4), (512, 16, 4), (4096, 2, 8), (1024, 2, 4)]
 
 
 def _ms(fn, reps: int = 5, warmup: int = 2) -> float:

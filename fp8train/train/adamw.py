@@ -29,9 +29,10 @@ except ImportError:  # CPU-only installs: build_optimizer picks torch's AdamW th
 
 __all__ = ["TritonAdamW", "adamw_reference", "step_scalars", "triton_adamw_available"]
 
-# (elements per loop iteration of a program, iterations per program, warps): 8 elements per thread, two 16-byte
-# loads a stream; 8,192 elements a program, so the tensor lookup is paid once per 32 KiB of each stream
-_LAUNCH = (1024, 8, 4)
+# (elements per loop iteration of a program, iterations per program, warps): 4 elements per thread, one 16-byte
+# load a stream; 8,192 elements a program, so the tensor lookup is paid once per 32 KiB of each stream. The
+# fastest of six shapes on an H100 (1.05x the copy floor; benchmarks/optim_step.py, docs/benchmarks.md)
+_LAUNCH = (1024, 8, 8)
 
 
 def _f32(x: float) -> float:

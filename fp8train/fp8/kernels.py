@@ -264,15 +264,11 @@ def ops_layout(out, like: torch.Tensor) -> tuple:
 
 def _quantize_tiles(x2d, others, producer: int, row_fmt, col_fmt, pow2: bool, pad: int, cols: bool,
                     num_warps: int | None, traced: bool, rows: bool = True) -> tuple:
-    """One launch of `_act_kernel` over x2d [M, K] (or a contiguous [..., K] as [M, K]; `others`, the producer's
-    other inputs, of its shape): (rows data, rows scale view, cols data, cols scale view), None for a copy not
-    made."""
+    """One launch of `_act_kernel` over x2d [M, K] (and `others`, the producer's other inputs, of its shape):
+    (rows data, rows scale view, cols data, cols scale view), None for a copy not made."""
     if not (rows or cols):
         raise ValueError("_quantize_tiles: neither copy asked for")
-    if x2d.dim() != 2 and not x2d.is_contiguous():
-        raise ValueError(f"_quantize_tiles: a {x2d.dim()}-D input must be contiguous (its rows at one stride)")
-    K = x2d.shape[-1]
-    M = x2d.numel() // K if K else 0
+    M, K = x2d.shape
     Kp, Mp = round_up(K, pad), round_up(M, pad)
     dev = x2d.device
     qr = torch.empty(M, Kp, dtype=row_fmt.dtype, device=dev) if rows else None
@@ -289,7 +285,7 @@ def _quantize_tiles(x2d, others, producer: int, row_fmt, col_fmt, pow2: bool, pa
     # on the H200 when x2d stood in for y and z; docs/benchmarks.md)
     y, z = (*others, None, None)[:2]
     _launcher(_act_kernel, traced)[grid](
-        x2d, M, K, x2d.stride(-2) if x2d.dim() > 1 else K, qr, sr, Kp, qc, sc, Mp, y, z, ROW_MAX=row_fmt.max, COL_MAX=col_fmt.max,
+        x2d, M, K, x2d.stride(0), qr, sr, Kp, qc, sc, Mp, y, z, ROW_MAX=row_fmt.max, COL_MAX=col_fmt.max,
         POW2=pow2, BF16=x2d.dtype == torch.bfloat16, PRODUCER=producer, ROWS=rows, COLS=cols, BLOCK=_SIDE,
         num_warps=num_warps or _NUM_WARPS,
     )
@@ -298,7 +294,7 @@ def _quantize_tiles(x2d, others, producer: int, row_fmt, col_fmt, pow2: bool, pa
 
 def quantize_tiles_and_transpose(x2d, row_fmt, col_fmt, pow2: bool, pad: int, cols: bool = True,
                                  num_warps: int | None = None, _traced: bool = False, rows: bool = True):
-    """x2d [M, K] (or a contiguous [..., K], as [M, K]) -> (rows data [M, Kp], rows scale view (M, Kp/128) with strides (1, M),
+    """x2d [M, K] -> (rows data [M, Kp], rows scale view (M, Kp/128) with strides (1, M),
     cols data [K, Mp], cols scale view (K, Mp/128) with strides (1, K)); Kp, Mp = round_up(., pad).
     `cols=False` skips the transposed copy (no backward will need it), `rows=False` the row copy (a backward
     making input.T alone); a copy not made is None.

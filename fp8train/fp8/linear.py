@@ -225,17 +225,17 @@ class FP8Linear(nn.Linear):
             self._weight_cache = (key, ops.quantize_weight(weight.detach(), plan.w, plan.pow2, False, plan.cublas))
         return self._weight_cache[1]
 
-    def _quantize_input(self, x: Tensor, plan: LinearPlan, make_cols: bool) -> tuple[Tensor, ...]:
+    def _quantize_input(self, x: Tensor, x2d: Tensor, plan: LinearPlan, make_cols: bool) -> tuple[Tensor, ...]:
         """(rows data, scale, cols data, scale); siblings reading the same tensor (q/k/v, gate/up) share one
         quantization: eagerly through the input cache, compiled through CSE / compile_options()' pass."""
         cache = self._input_cache
         if cache is None or torch.compiler.is_compiling():
-            return ops.quantize_input(x.detach(), plan, make_cols)
+            return ops.quantize_input(x2d.detach(), plan, make_cols)
         key = (x._version, plan.key)
         hit = cache.get(x)
         if hit is not None and hit[0] == key and (hit[1][2].numel() or not make_cols):
             return hit[1]  # (a copy with cols serves a sibling that needs none)
-        out = ops.quantize_input(x.detach(), plan, make_cols)
+        out = ops.quantize_input(x2d.detach(), plan, make_cols)
         cache[x] = (key, out)
         return out
 
@@ -277,7 +277,7 @@ class FP8Linear(nn.Linear):
         x2d = x.reshape(-1, x.shape[-1])
         plan = self.plan(x2d)
         out_dtype = output_dtype(x)
-        x_rows, x_rows_scale, x_t, x_t_scale = self._quantize_input(x, plan, self.makes_input_t(plan))
+        x_rows, x_rows_scale, x_t, x_t_scale = self._quantize_input(x, x2d, plan, self.makes_input_t(plan))
         if self.input_t_later(plan):
             x_saved = (x2d.detach(), None)
         elif self.computes_grad_weight():

@@ -83,21 +83,18 @@ def _tile_kernel_applies(rows: OperandSpec, cols: OperandSpec, cublas: bool) -> 
             and rows.blockwise_padded and cols.blockwise_padded)
 
 
-def _quantize_activation(x: Tensor, rows: OperandSpec, cols: OperandSpec, pow2: bool, make_cols: bool,
+def _quantize_activation(x2d: Tensor, rows: OperandSpec, cols: OperandSpec, pow2: bool, make_cols: bool,
                          cublas: bool, make_rows: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """FP8 copies of an activation x [..., K] as [M, K] (M: the leading dims together): rows (blocks of x, for
-    output / grad_input) unless not `make_rows` and, if `make_cols`, cols (blocks of x.T, for grad_weight), both
-    quantized from x itself; a copy not made: empty tensors."""
-    x2d = x.reshape(-1, x.shape[-1])
+    """FP8 copies of an activation x [M, K]: rows (blocks of x, for output / grad_input) unless not `make_rows`
+    and, if `make_cols`, cols (blocks of x.T, for grad_weight), both quantized from x itself; a copy not made:
+    empty tensors."""
+    if x2d.stride(1) != 1:  # the kernel reads rows with unit stride
+        x2d = x2d.contiguous()
     if _tile_kernel_applies(rows, cols, cublas):
-        # The kernel reads x itself where its rows lie at one stride: compiled, a reshape handed to the kernel
-        # had inductor store x twice where x has another reader (a LoRA branch: +3 ms a Qwen2.5-7B LoRA step
-        # on an H100, docs/benchmarks.md)
-        src = x if x.is_contiguous() else x2d.contiguous()
         if torch.compiler.is_compiling():  # its triton_op: inductor sees into it and launches it itself
-            return _kernels.quantize_tiles_op(src, rows.fmt.dtype, cols.fmt.dtype, pow2, rows.pad, make_rows,
+            return _kernels.quantize_tiles_op(x2d, rows.fmt.dtype, cols.fmt.dtype, pow2, rows.pad, make_rows,
                                               make_cols)
-        return _kernels.ops_layout(_kernels.quantize_tiles_and_transpose(src, rows.fmt, cols.fmt, pow2, rows.pad,
+        return _kernels.ops_layout(_kernels.quantize_tiles_and_transpose(x2d, rows.fmt, cols.fmt, pow2, rows.pad,
                                                                          make_cols, rows=make_rows), x2d)
     rd, rs = quantize_operand(x2d, rows, pow2)
     if not make_cols:

@@ -96,7 +96,7 @@ class _SwiGLUMLPFn(torch.autograd.Function):
                 wd_scale: Tensor | None, plan: LinearPlan, out_dtype: torch.dtype, x_cols: bool, h_cols: bool,
                 x_t_later: bool, h_t_later: bool, save_fp8: bool) -> Tensor:
         x2d = x.reshape(-1, x.shape[-1])
-        xr, xr_s, xc, xc_s = ops.quantize_input(x.detach(), plan, x_cols)
+        xr, xr_s, xc, xc_s = ops.quantize_input(x2d.detach(), plan, x_cols)
         g = ops.linear_forward(xr, xr_s, w_gate.detach(), wg, wg_scale, plan, out_dtype)
         u = ops.linear_forward(xr, xr_s, w_up.detach(), wu, wu_scale, plan, out_dtype)
         hr, hr_s, hc, hc_s = ops.quantize_swiglu(g, u, plan, h_cols)

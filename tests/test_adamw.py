@@ -4,34 +4,16 @@ the quantization kernels (TRITON_INTERPRET is read when a kernel is defined); sk
 checks is absent. The CUDA launch is checked on the device: tests/test_gpu.py."""
 
 import functools
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
-import pytest
 import torch
+from _triton_cpu import needs_triton, run_check
 
 from fp8train.train.adamw import adamw_reference, step_scalars
-
-ROOT = Path(__file__).resolve().parent.parent
-TRITON_DIR = ROOT / ".venv" / "triton-cpu"
-needs_triton = pytest.mark.skipif(not (TRITON_DIR / "triton").is_dir(),
-                                  reason=f"Triton for the CPU checks is not installed in {TRITON_DIR} (make test does it)")
 
 
 @functools.cache
 def _check(mode: str) -> dict:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TRITON_DIR), str(ROOT)])}
-    if mode in ("interpret", "fsdp"):
-        env["TRITON_INTERPRET"] = "1"
-    else:
-        env.pop("TRITON_INTERPRET", None)
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "_adamw_kernel_checks.py"), mode], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_check("_adamw_kernel_checks.py", mode, interpret=mode in ("interpret", "fsdp"))
 
 
 @needs_triton

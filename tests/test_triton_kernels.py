@@ -7,31 +7,15 @@ runs on the GPU: tests/test_gpu.py.
 """
 
 import functools
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
-import pytest
+from _triton_cpu import needs_triton, run_check
 
-ROOT = Path(__file__).resolve().parent.parent
-TRITON_DIR = ROOT / ".venv" / "triton-cpu"
-pytestmark = pytest.mark.skipif(not (TRITON_DIR / "triton").is_dir(),
-                                reason=f"Triton for the CPU checks is not installed in {TRITON_DIR} (make test does it)")
+pytestmark = needs_triton
 
 
 @functools.cache
 def _check(mode: str) -> dict:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TRITON_DIR), str(ROOT)])}
-    if mode == "interpret":
-        env["TRITON_INTERPRET"] = "1"
-    else:
-        env.pop("TRITON_INTERPRET", None)
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "_triton_kernel_checks.py"), mode], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_check("_triton_kernel_checks.py", mode, interpret=mode in ("interpret", "exhaustive"))
 
 
 def test_kernel_arithmetic_matches_the_reference_bit_for_bit():

@@ -18,6 +18,8 @@ from typing import Literal
 import torch
 from torch import nn
 
+from .adamw import TritonAdamW, triton_adamw_available
+
 __all__ = ["OptimConfig", "build_optimizer", "build_scheduler", "clip_grad_norm", "lr_lambda", "optimizer_step",
            "restore_step_impl"]
 
@@ -193,8 +195,6 @@ def _param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
     """AdamW over the FP32 parameters of `model`: group 0 decays, group 1 (biases, norms) does not; its step
     as `cfg.impl` says."""
-    from .adamw import TritonAdamW, triton_adamw_available
-
     groups = _param_groups(model, cfg.weight_decay)
     impl = cfg.impl
     if impl == "auto":
@@ -256,8 +256,6 @@ def clip_grad_norm(model_or_params: nn.Module | Iterable[torch.Tensor], max_norm
 
 def _folds_clip(optimizer: torch.optim.Optimizer) -> bool:
     """Whether the step divides the gradients by `optimizer.grad_scale` (torch's fused AdamW, `TritonAdamW`)."""
-    from .adamw import TritonAdamW
-
     fused = bool(optimizer.param_groups) and all(g.get("fused") for g in optimizer.param_groups)
     return fused or isinstance(optimizer, TritonAdamW)
 

@@ -78,8 +78,8 @@ class _Fp8LinearFn(torch.autograd.Function):
         dy2d = dy.reshape(-1, dy.shape[-1])
         want_dx = ctx.needs_input_grad[0]
         want_dw = ctx.needs_input_grad[1] and x_saved is not None
-        if want_dw and x_saved_scale is None:  # the input itself: input.T's operand made now
-            x_saved, x_saved_scale = ops.quantize_input(x_saved, p, True, make_rows=False)[2:]
+        if want_dw:
+            x_saved, x_saved_scale = ops.saved_wgrad_input(p, x_saved, x_saved_scale)
         dx, dw = ops.linear_backward(dy2d, weight.detach(), w, w_scale, x_saved, x_saved_scale, p, want_dx, want_dw,
                                      ctx.x_dtype)
         db = dy2d.float().sum(0).to(ctx.b_dtype) if ctx.b_dtype is not None and ctx.needs_input_grad[2] else None

@@ -50,8 +50,8 @@ except ImportError:  # no triton (CPU-only installs): the reference path is used
     _kernels = None
 
 __all__ = ["reference_fp8_linear", "quantize_input", "quantize_weight", "weight_transposes", "transpose_weight",
-           "wgrad_input", "linear_forward", "linear_backward", "linear_backward_gemms", "quantize_swiglu",
-           "quantize_swiglu_grads", "swiglu_reference", "swiglu_grads_reference"]
+           "wgrad_input", "saved_wgrad_input", "linear_forward", "linear_backward", "linear_backward_gemms",
+           "quantize_swiglu", "quantize_swiglu_grads", "swiglu_reference", "swiglu_grads_reference"]
 
 
 def reference_fp8_linear(x: Tensor, w: Tensor, dy: Tensor, recipe: Fp8Recipe) -> tuple[Tensor, Tensor, Tensor]:
@@ -161,6 +161,14 @@ def wgrad_input(plan: LinearPlan, rows: Tensor, rows_scale: Tensor, cols: Tensor
     """What a forward saves for grad_weight's input operand: input.T's (cols), or with the plan's
     `x_t_from_fp8` the input rows (input.T is re-quantized from them in the backward)."""
     return (rows, rows_scale) if plan.x_t_from_fp8 else (cols, cols_scale)
+
+
+def saved_wgrad_input(plan: LinearPlan, saved: Tensor, saved_scale: Tensor | None) -> tuple[Tensor, Tensor]:
+    """What the backward hands grad_weight from what the forward saved: `wgrad_input`'s pair as it is, or, for
+    an input saved by reference (no scale: `input_t_in_backward`), input.T's operand made now from it."""
+    if saved_scale is None:
+        return quantize_input(saved, plan, True, make_rows=False)[2:]
+    return saved, saved_scale
 
 
 def _backward_impl(dy: Tensor, weight: Tensor, w: Tensor | None, w_scale: Tensor | None, x_saved: Tensor | None,

@@ -124,8 +124,8 @@ class _SwiGLUMLPFn(torch.autograd.Function):
             g = _load_fp8(g, g_scale, p, ctx.gu_shape, ctx.gu_dtype)
             u = _load_fp8(u, u_scale, p, ctx.gu_shape, ctx.gu_dtype)
         want_dx, want_dwg, want_dwu, want_dwd = ctx.needs_input_grad[:4]
-        if (want_dwg or want_dwu) and x_saved_scale is None:  # x itself: input.T's operand made now
-            x_saved, x_saved_scale = ops.quantize_input(x_saved, p, True, make_rows=False)[2:]
+        if want_dwg or want_dwu:
+            x_saved, x_saved_scale = ops.saved_wgrad_input(p, x_saved, x_saved_scale)
         if want_dwd and ctx.h_t_later:  # h.T's operand from g and u, as the forward would have made it
             h_saved, h_saved_scale = ops.quantize_swiglu(g, u, p, True, make_rows=False)[2:]
         # the down projection: dh (grad_input, in g's dtype, as autograd's would be) and its grad_weight

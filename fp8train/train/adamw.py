@@ -183,12 +183,11 @@ class TritonAdamW(torch.optim.AdamW):
                 steps.append(state["step"])
             torch._foreach_add_(steps, 1)
             lr, wd, betas, eps = group["lr"], group["weight_decay"], group["betas"], group["eps"]
-            per_tensor, first = [], None
-            for step in steps:
-                t = int(step.item())
-                if t != first:  # the steps of a group agree, except after loading parameters one by one
-                    s, first = step_scalars(lr, wd, betas, eps, t), t
-                per_tensor.append([s["step_size"], s["bc2_sqrt"]])
+            # one host read of the group's steps (they agree, except after loading parameters one by one)
+            counts = [int(t) for t in torch.stack(steps).tolist()]
+            by_step = {t: step_scalars(lr, wd, betas, eps, t) for t in set(counts)}
+            per_tensor = [[by_step[t]["step_size"], by_step[t]["bc2_sqrt"]] for t in counts]
+            s = by_step[counts[0]]  # (decay, betas, eps: the same for every step)
             device = _local(params[0]).device
             chunks = self._chunk_map(tuple(r[4] for r in rows), device)
             if chunks.numel() == 0:

@@ -9,7 +9,7 @@ both moments and writes parameter and moments (28); clip then step, the trainer'
 both (40); `optimizer_step` with torch's fused AdamW reads the gradient for the norm and passes the clip to the
 fused step as its `grad_scale`, which also writes the scaled gradient back (4 + 28 + 4 = 36); with
 fp8train's Triton AdamW (`optim.impl: triton`, the default on CUDA) the step leaves the gradient as it is
-(4 + 28 = 32). The Triton step is also timed at a few other launch shapes. The floor is those bytes at the
+(4 + 28 = 32), and the norm is the optimizer's own (`TritonAdamW.grad_norm`, one launch per group). The Triton step is also timed at a few other launch shapes. The floor is those bytes at the
 bandwidth of a large device copy measured in the same run. Each timed call includes the norm's host sync, as
 in the trainer.
 """
@@ -83,6 +83,8 @@ def main(argv: list[str] | None = None) -> None:
             rows.append(("optimizer_step: clip folded into the fused step (trainer before)",
                          _ms(lambda: optimizer_step(opt, model, 1.0)), 36))
         if impl == "triton" and launch is None:
+            # its own norm: one launch per group over the step's address tables (sixteenth session)
+            rows.append(("Triton grad_norm alone", _ms(lambda: opt.grad_norm().item()), 4))
             rows.append(("optimizer_step: clip folded into the Triton step (trainer now)",
                          _ms(lambda: optimizer_step(opt, model, 1.0)), 32))
         del opt

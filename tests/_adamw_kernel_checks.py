@@ -17,6 +17,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import weakref
 from pathlib import Path
 
 import torch
@@ -64,11 +65,21 @@ def interpret() -> dict:
     opt = adamw.TritonAdamW(_groups(params), **_HP)
     torch_opt = torch.optim.AdamW(_groups(torch_params), **_HP, foreach=True)
     steps = {i: 0 for i in range(len(params))}
+    worst_norm = 0.0
     for step in range(1, 6):
         skip = 3 if step == 2 else None  # a parameter without a gradient takes no step
         _grads(params, step, skip)
         _grads(torch_params, step, skip)
         scale = torch.tensor([2.5]) if step in (3, 4) else None  # the clip, folded
+        if step in (2, 3, 4):  # the norm first, as optimizer_step does: step() takes over its tables
+            norm = opt.grad_norm().item()
+            want = torch.cat([p.grad.double().flatten() for p in params if p.grad is not None]).norm().item()
+            worst_norm = max(worst_norm, abs(norm - want) / want)
+        if step == 3:  # a gradient replaced after the norm: the step must read the new one
+            params[1].grad = params[1].grad * 0.5
+            torch_params[1].grad = torch_params[1].grad * 0.5
+        if step == 5:
+            opt.grad_norm()
         opt.grad_scale = scale
         opt.step()
         del opt.grad_scale
@@ -110,6 +121,15 @@ def interpret() -> dict:
         failures.append(f"differs from torch's AdamW by {worst['vs torch']:.2e} of the update")
     if worst["vs fp64"] > 8:
         failures.append(f"differs from FP64 AdamW by {worst['vs fp64']:.1f} (units: ulp of p + 1e-3 of the update)")
+    if worst_norm > 1e-6:
+        failures.append(f"grad_norm differs from the FP64 norm by {worst_norm:.1e} (relative)")
+    # a step skipped after the norm (non-finite) keeps no gradient alive: the tables hold them weakly
+    _grads(params, 8)
+    opt.grad_norm()
+    held = [weakref.ref(p.grad) for p in params]
+    opt.zero_grad(set_to_none=True)
+    if any(r() is not None for r in held):
+        failures.append("grad_norm's tables keep the gradients of a skipped step alive")
     # a checkpoint moves both ways: ours -> torch's AdamW (the same keys) and ours -> ours (the same next step)
     state = copy.deepcopy(opt.state_dict())  # load_state_dict keeps the tensors it is given
     other = torch.optim.AdamW(_groups(torch_params), **_HP, foreach=True)
@@ -118,15 +138,16 @@ def interpret() -> dict:
         failures.append(f"state keys {sorted(other.state_dict()['state'][0])}")
     clones = [torch.nn.Parameter(p.detach().clone()) for p in params]
     back = adamw.TritonAdamW(_groups(clones), **_HP)
-    back.load_state_dict(state)
     _grads(params, 9)
     for c, p in zip(clones, params):
         c.grad = p.grad.clone()
+    back.grad_norm()  # tables made over fresh moments, which the load replaces: the step must not use them
+    back.load_state_dict(state)
     opt.step()
     back.step()
     if not all(torch.equal(_bits(c), _bits(p)) for c, p in zip(clones, params)):
         failures.append("a state_dict round trip changed the next step")
-    return {"failures": failures, "worst": worst}
+    return {"failures": failures, "worst": {**worst, "grad_norm": worst_norm}}
 
 
 def _fsdp_rank(rank: int, world: int, port: int, out: str) -> None:
@@ -140,7 +161,7 @@ def _fsdp_rank(rank: int, world: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        results = []
+        results, all_norms = [], []
         for sharded in (False, True):
             torch.manual_seed(0)
             model = torch.nn.Sequential(torch.nn.Linear(64, 300), torch.nn.Linear(300, 10))
@@ -148,22 +169,25 @@ def _fsdp_rank(rank: int, world: int, port: int, out: str) -> None:
                 fully_shard(model)
             opt = adamw.TritonAdamW([{"params": list(model.parameters()), "weight_decay": 0.1}], lr=1e-2,
                                     betas=(0.9, 0.95))
-            states = []
+            states, norms = [], []
             for step in range(4):
                 x = torch.randn(8, 64, generator=torch.Generator().manual_seed(step))
                 model(x).square().sum().backward()  # every rank the same batch: FSDP's mean is exact
                 # no clip in the first three: a sharded norm sums in another order, its last bit may differ
-                optimizer_step(opt, model, 0.5 if step == 3 else 0.0)
+                norms.append(optimizer_step(opt, model, 0.5 if step == 3 else 0.0))
                 opt.zero_grad(set_to_none=True)
                 states.append([(p.full_tensor() if sharded else p).detach().clone() for p in model.parameters()])
             results.append(states)
+            all_norms.append(norms)
         if rank == 0:
             same = all(torch.equal(_bits(a), _bits(b)) for s, t in zip(results[0][:3], results[1][:3])
                        for a, b in zip(s, t))
             clipped = max(((a - b).abs().max() / (a - c).abs().max()).item()
                           for a, b, c in zip(results[0][3], results[1][3], results[0][2]))
             shards = [tuple(p.to_local().shape) for p in model.parameters()]
-            Path(out).write_text(json.dumps({"same": same, "clipped_step_diff": clipped, "shards": shards}))
+            norm_diff = max(abs(a - b) / a for a, b in zip(*all_norms))  # the sharded norm, all-reduced
+            Path(out).write_text(json.dumps({"same": same, "clipped_step_diff": clipped, "shards": shards,
+                                             "norm_diff": norm_diff}))
     finally:
         dist.destroy_process_group()
 
@@ -193,22 +217,30 @@ def compile_sm90() -> dict:
     sig.update(addr_ptr="*i64", hyper_ptr="*fp32", chunk_ptr="*i32", grad_scale_ptr="*fp32", decay="fp32",
                one_minus_beta1="fp32", beta2="fp32", one_minus_beta2="fp32", eps="fp32")
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+
+    def resources(kernel, sig, consts, **options) -> dict:
+        k = triton.compile(ASTSource(kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
+                           options={"num_warps": adamw._LAUNCH[2], **options})
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(k.asm["cubin"])
+            f.flush()
+            res = subprocess.run([str(tools / "cuobjdump"), "-res-usage", f.name], capture_output=True,
+                                 text=True, check=True).stdout
+            sass = subprocess.run([str(tools / "cuobjdump"), "-sass", f.name], capture_output=True, text=True,
+                                  check=True).stdout
+        r = {k: int(v) for k, v in re.findall(r"(REG|STACK):(\d+)", res)}
+        r["FFMA"] = len(re.findall(r"\bFFMA\b", sass))
+        return r
+
     out = {}
     for has_scale in (True, False):
         for fusion in (False, True):
             consts = dict(HAS_GRAD_SCALE=has_scale, BLOCK=adamw._LAUNCH[0], ITERS=adamw._LAUNCH[1])
-            k = triton.compile(ASTSource(adamw._adamw_kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
-                               options={"num_warps": adamw._LAUNCH[2], "enable_fp_fusion": fusion})
-            with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-                f.write(k.asm["cubin"])
-                f.flush()
-                res = subprocess.run([str(tools / "cuobjdump"), "-res-usage", f.name], capture_output=True,
-                                     text=True, check=True).stdout
-                sass = subprocess.run([str(tools / "cuobjdump"), "-sass", f.name], capture_output=True, text=True,
-                                      check=True).stdout
-            r = {k: int(v) for k, v in re.findall(r"(REG|STACK):(\d+)", res)}
-            r["FFMA"] = len(re.findall(r"\bFFMA\b", sass))
-            out[f"grad_scale={has_scale} fp_fusion={fusion}"] = r
+            out[f"grad_scale={has_scale} fp_fusion={fusion}"] = resources(adamw._adamw_kernel, sig, consts,
+                                                                          enable_fp_fusion=fusion)
+    norm_sig = dict(addr_ptr="*i64", chunk_ptr="*i32", out_ptr="*fp32", BLOCK="constexpr", ITERS="constexpr")
+    out["grad_norm"] = resources(adamw._sum_squares_kernel, norm_sig,
+                                 dict(BLOCK=adamw._LAUNCH[0], ITERS=adamw._LAUNCH[1]))
     return out
 
 

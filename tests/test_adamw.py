@@ -21,7 +21,9 @@ def test_triton_adamw_equals_its_reference_and_tracks_torch():
     """Five steps over two parameter groups (decay and none), ragged sizes across chunk boundaries, a parameter
     without a gradient in one step, the clip folded in for two: parameters and both moments equal
     `adamw_reference` bit for bit; torch's AdamW within 1e-4 of the distance moved, FP64 AdamW as close as
-    torch's own; a state_dict loads into torch's AdamW and back without changing the next step."""
+    torch's own; a state_dict loads into torch's AdamW and back without changing the next step. `grad_norm`
+    within 1e-6 of the FP64 norm; the step after it reads a gradient replaced in between and the moments of a
+    state_dict loaded in between, and a step skipped after it keeps no gradient alive."""
     res = _check("interpret")
     assert res["failures"] == []
     assert res["worst"]["vs fp64"] <= 2 * res["worst"]["torch vs fp64"] + 1e-3
@@ -31,22 +33,27 @@ def test_triton_adamw_equals_its_reference_and_tracks_torch():
 def test_triton_adamw_steps_fsdp2_shards_as_one_process_steps_the_whole():
     """Two CPU ranks, FSDP2: each rank's kernel steps its own shards of parameters, gradients and moments
     (DTensors); the gathered parameters after three steps equal one process's bit for bit, and after a fourth
-    with the clip (its norm reduced across ranks, so summed in another order) within 1e-5 of the step's move."""
+    with the clip (its norm reduced across ranks, so summed in another order) within 1e-5 of the step's move;
+    the optimizer's own gradient norm (`grad_norm`: this rank's sum of squares, all-reduced) equals one
+    process's within 1e-6."""
     res = _check("fsdp")
     assert res["same"] and res["shards"] == [[150, 64], [150], [5, 300], [5]]
     assert res["clipped_step_diff"] < 1e-5
+    assert res["norm_diff"] < 1e-6  # each rank's sum of squares, all-reduced, is the whole model's norm
 
 
 @needs_triton
 def test_triton_adamw_compiles_for_sm90_without_spills():
-    """As launched (no fused multiply-add, so that the GPU rounds each operation as the reference does): no
-    spills, and few enough registers for several programs per SM (a streaming kernel needs bytes in flight)."""
+    """As launched (no fused multiply-add, so that the GPU rounds each operation as the reference does), and the
+    gradient norm's kernel: no spills, and few enough registers for several programs per SM (a streaming kernel
+    needs bytes in flight)."""
     for name, r in _check("compile").items():
         assert r["STACK"] == 0, f"{name} spills: {r}"
         assert r["REG"] <= 96, f"{name} uses {r['REG']} registers"
     res = _check("compile")
     # the option reaches the compiler: with fusion the multiply-adds of the update become FMAs
     assert res["grad_scale=True fp_fusion=True"]["FFMA"] > res["grad_scale=True fp_fusion=False"]["FFMA"]
+    assert "grad_norm" in res
 
 
 def test_reference_is_adamw():

@@ -22,7 +22,8 @@ def test_kernel_arithmetic_matches_the_reference_bit_for_bit():
     """Scales and pre-conversion values of both copies, E4M3 and E5M2, pow2 on and off, BF16 and FP32 inputs,
     ragged shapes, zeros, NaN/Inf and amax values next to powers of two: equal to fp8train.fp8.quant's; the
     power-of-two scale from bit patterns for every exponent. And no launch hands the kernel a tensor twice (inductor would copy it first: a
-    measured 2.7% of a 7B step)."""
+    measured 2.7% of a 7B step). And benchmarks/bench_quant.py's candidate launches give the library launch's
+    bytes."""
     assert _check("interpret")["failures"] == []
 
 

@@ -15,9 +15,15 @@ then p -= lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps).
 State is torch's (`step` as a CPU tensor, `exp_avg`, `exp_avg_sq`), so a checkpoint moves freely between
 this optimizer and torch's AdamW, fused or not. Gradient clipping folds in as with torch's fused AdamW: the
 caller sets `optimizer.grad_scale` (a device tensor) for one step and every gradient is divided by it.
+The clip's norm comes from the same tables: `grad_norm` sums the squares of each program's chunk in one launch
+per group (torch's `get_total_norm` took 1.57x its read floor at 7B/22 on the H200), and makes the step's
+tables before the caller's host sync on the norm, so the step after it only launches.
 """
 
 from __future__ import annotations
+
+import weakref
+from typing import NamedTuple
 
 import torch
 
@@ -113,6 +119,24 @@ if triton is not None:
             tl.store(v_ptr + offs, v, mask=mask)
 
 
+    @triton.jit
+    def _sum_squares_kernel(addr_ptr, chunk_ptr, out_ptr, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+        """out[c] = the sum of squares, in FP32, of program c's chunk of gradient t (the address table's second
+        column; its chunks as `_adamw_kernel`'s)."""
+        c = tl.program_id(0)
+        t = tl.load(chunk_ptr + 2 * c)
+        j = tl.load(chunk_ptr + 2 * c + 1).to(tl.int64)
+        g_ptr = tl.load(addr_ptr + 5 * t + 1).to(tl.pointer_type(tl.float32))
+        n = tl.load(addr_ptr + 5 * t + 4)
+        start = j * (BLOCK * ITERS)
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for i in tl.range(ITERS):
+            offs = start + i * BLOCK + tl.arange(0, BLOCK)
+            g = tl.load(g_ptr + offs, mask=offs < n, other=0.0)
+            acc += g * g
+        tl.store(out_ptr + c, tl.sum(acc, axis=0))
+
+
 def triton_adamw_available() -> bool:
     """Whether Triton is importable (the kernel runs on CUDA tensors, or anywhere under Triton's interpreter)."""
     return triton is not None
@@ -142,6 +166,7 @@ class TritonAdamW(torch.optim.AdamW):
                     raise ValueError(f"TritonAdamW steps FP32 CUDA parameters, got {p.dtype} on {p.device}")
         self._launch = launch  # (block, iterations, warps); benchmarks/optim_step.py compares a few
         self._chunk_maps: dict[tuple, torch.Tensor] = {}
+        self._pending: list[_Table] | None = None  # grad_norm()'s tables, for the step() that follows
 
     def _chunk_map(self, sizes: tuple[int, ...], device: torch.device) -> torch.Tensor:
         """[chunks, 2] int32: (tensor, chunk within it) for each program; depends only on the sizes."""
@@ -155,18 +180,22 @@ class TritonAdamW(torch.optim.AdamW):
             self._chunk_maps[key] = torch.stack([tensor, within], 1).to(torch.int32).to(device)
         return self._chunk_maps[key]
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        if closure is not None:
-            raise ValueError("TritonAdamW.step takes no closure")
-        grad_scale = getattr(self, "grad_scale", None)
+    def _tables(self) -> list["_Table"]:
+        """Per group with gradients: its parameters, their gradients, the device table of (p, g, m, v) addresses
+        and sizes, and the chunk map. Made once a step (the moments created where missing): by `grad_norm`, whose
+        tables `step` takes over while every gradient is the one they were made for."""
+        pending = self._pending
+        if pending is not None and len(pending) == sum(any(p.grad is not None for p in g["params"])
+                                                       for g in self.param_groups) and all(map(_current, pending)):
+            return pending
+        tables = []
         for group in self.param_groups:
             if group["amsgrad"] or group["maximize"] or group["capturable"] or group["differentiable"]:
                 raise ValueError("TritonAdamW: amsgrad, maximize, capturable and differentiable are not supported")
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
                 continue
-            rows, steps = [], []
+            rows = []
             for p in params:
                 state = self.state[p]
                 if not state:
@@ -180,23 +209,77 @@ class TritonAdamW(torch.optim.AdamW):
                     raise ValueError("TritonAdamW steps contiguous FP32 parameters, gradients and moments; got "
                                      f"{[(t.dtype, t.is_contiguous()) for t in tensors]}")
                 rows.append([t.data_ptr() for t in tensors] + [tensors[0].numel()])
-                steps.append(state["step"])
-            torch._foreach_add_(steps, 1)
-            lr, wd, betas, eps = group["lr"], group["weight_decay"], group["betas"], group["eps"]
-            # one host read of the group's steps (they agree, except after loading parameters one by one)
-            counts = [int(t) for t in torch.stack(steps).tolist()]
-            by_step = {t: step_scalars(lr, wd, betas, eps, t) for t in set(counts)}
-            per_tensor = [[by_step[t]["step_size"], by_step[t]["bc2_sqrt"]] for t in counts]
-            s = by_step[counts[0]]  # (decay, betas, eps: the same for every step)
             device = _local(params[0]).device
             chunks = self._chunk_map(tuple(r[4] for r in rows), device)
-            if chunks.numel() == 0:
-                continue
             addr = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
-            hyper = torch.tensor(per_tensor, dtype=torch.float32).to(device, non_blocking=True)
+            tables.append(_Table(group, params, [weakref.ref(p.grad) for p in params], addr, chunks))
+        return tables
+
+    @torch.no_grad()
+    def grad_norm(self) -> torch.Tensor:
+        """The L2 norm of every gradient this optimizer steps, as a 0-d FP32 device tensor (no host sync): one
+        launch per group sums the squares of each 8,192-element chunk in FP32, and the chunks' sums are added in
+        FP64 (FSDP2: this rank's shards, then all-reduced across the mesh). Made from the address tables the
+        next `step` uses, so their host work is done here, before the caller reads the norm."""
+        self._pending = tables = self._tables()
+        sums = []
+        for t in tables:
+            partial = torch.empty(t.chunks.shape[0], dtype=torch.float32, device=t.addr.device)
+            if partial.numel():
+                _sum_squares_kernel[(partial.numel(),)](t.addr, t.chunks, partial, BLOCK=self._launch[0],
+                                                        ITERS=self._launch[1], num_warps=self._launch[2])
+            sums.append(partial.double().sum())
+        if not sums:
+            return torch.zeros((), dtype=torch.float32)
+        total = torch.stack(sums).sum()
+        mesh = getattr(tables[0].params[0].grad, "device_mesh", None)
+        if mesh is not None:  # FSDP2 DTensor gradients: the shards' sums of squares add up across ranks
+            torch.distributed.all_reduce(total, group=mesh.get_group())
+        return total.sqrt().float()
+
+    def load_state_dict(self, state_dict) -> None:
+        self._pending = None  # the tables hold the addresses of the moments this replaces
+        super().load_state_dict(state_dict)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("TritonAdamW.step takes no closure")
+        grad_scale = getattr(self, "grad_scale", None)
+        tables, self._pending = self._tables(), None
+        for t in tables:
+            if t.chunks.numel() == 0:
+                continue
+            steps = [self.state[p]["step"] for p in t.params]
+            torch._foreach_add_(steps, 1)
+            group = t.group
+            lr, wd, betas, eps = group["lr"], group["weight_decay"], group["betas"], group["eps"]
+            # one host read of the group's steps (they agree, except after loading parameters one by one)
+            counts = [int(c) for c in torch.stack(steps).tolist()]
+            by_step = {c: step_scalars(lr, wd, betas, eps, c) for c in set(counts)}
+            per_tensor = [[by_step[c]["step_size"], by_step[c]["bc2_sqrt"]] for c in counts]
+            s = by_step[counts[0]]  # (decay, betas, eps: the same for every step)
+            hyper = torch.tensor(per_tensor, dtype=torch.float32).to(t.addr.device, non_blocking=True)
             scale = grad_scale.float().reshape(1) if grad_scale is not None else None  # None: compiled out
-            _adamw_kernel[(chunks.shape[0],)](
-                addr, hyper, chunks, scale, s["decay"], s["one_minus_beta1"], s["beta2"], s["one_minus_beta2"],
+            _adamw_kernel[(t.chunks.shape[0],)](
+                t.addr, hyper, t.chunks, scale, s["decay"], s["one_minus_beta1"], s["beta2"], s["one_minus_beta2"],
                 s["eps"], HAS_GRAD_SCALE=grad_scale is not None, BLOCK=self._launch[0], ITERS=self._launch[1],
                 num_warps=self._launch[2], enable_fp_fusion=False)
         return None
+
+
+def _current(table: "_Table") -> bool:
+    """Whether the group's parameters with gradients, and those gradients, are still the ones `table` was made of."""
+    live = [p for p in table.group["params"] if p.grad is not None]
+    return len(live) == len(table.params) and all(
+        p is q and p.grad is g() for p, q, g in zip(live, table.params, table.grads))
+
+
+class _Table(NamedTuple):
+    """One parameter group's launch data for a step (`TritonAdamW._tables`)."""
+
+    group: dict
+    params: list[torch.Tensor]
+    grads: list[weakref.ref]  # the gradients the addresses are of (weak: a skipped step must not keep them)
+    addr: torch.Tensor    # [tensors, 5] int64 on the device: addresses of p, g, m, v (this rank's), numel
+    chunks: torch.Tensor  # [programs, 2] int32: (tensor, chunk within it)

@@ -254,6 +254,16 @@ def clip_grad_norm(model_or_params: nn.Module | Iterable[torch.Tensor], max_norm
     return norm
 
 
+def _optimizer_norm(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> torch.Tensor:
+    """The global gradient norm: `TritonAdamW`'s own (one launch per group, its step's tables made before the host
+    reads the norm) where it steps exactly the parameters that have gradients, else `_total_norm`."""
+    if isinstance(optimizer, TritonAdamW):
+        stepped = {id(p) for g in optimizer.param_groups for p in g["params"] if p.grad is not None}
+        if stepped == {id(p) for p in params if p.grad is not None}:
+            return optimizer.grad_norm()
+    return _total_norm(params)
+
+
 def _folds_clip(optimizer: torch.optim.Optimizer) -> bool:
     """Whether the step divides the gradients by `optimizer.grad_scale` (torch's fused AdamW, `TritonAdamW`)."""
     fused = bool(optimizer.param_groups) and all(g.get("fused") for g in optimizer.param_groups)
@@ -280,7 +290,7 @@ def optimizer_step(optimizer: torch.optim.Optimizer, model_or_params: nn.Module 
         if not skip and math.isfinite(norm):
             optimizer.step()
         return norm
-    total = _total_norm(params)
+    total = _optimizer_norm(optimizer, params)
     norm = float(total.item())
     if skip or not math.isfinite(norm):
         return norm

@@ -9,9 +9,9 @@ both moments and writes parameter and moments (28); clip then step, the trainer'
 both (40); `optimizer_step` with torch's fused AdamW reads the gradient for the norm and passes the clip to the
 fused step as its `grad_scale`, which also writes the scaled gradient back (4 + 28 + 4 = 36); with
 fp8train's Triton AdamW (`optim.impl: triton`, the default on CUDA) the step leaves the gradient as it is
-(4 + 28 = 32), and the norm is the optimizer's own (`TritonAdamW.grad_norm`, one launch per group). The Triton step is also timed at a few other launch shapes. The floor is those bytes at the
-bandwidth of a large device copy measured in the same run. Each timed call includes the norm's host sync, as
-in the trainer.
+(4 + 28 = 32), and the norm is the optimizer's own (`TritonAdamW.grad_norm`, one launch per group). The
+Triton step is also timed at a few other launch shapes. The floor is those bytes at the bandwidth of a large
+device copy measured in the same run. Each timed call includes the norm's host sync, as in the trainer.
 """
 
 from __future__ import annotations

@@ -6,8 +6,9 @@ writes the parameter and the moments (28 bytes). At the Qwen2.5-7B/22 shape on a
 takes 1.24x that floor and, with the clip folded in as its `grad_scale`, also writes the scaled gradient back
 (4 bytes more); `TritonAdamW` takes 1.10x and leaves the gradients as they are: the trainer's optimizer part
 70.1 -> 56.9 ms, the BF16 step 2.0% faster, the FP8 one 2.7% (docs/benchmarks.md). It launches one kernel per
-parameter group over all its tensors (a table of their addresses, 8,192 elements per program). What it computes, per element, in FP32 with every operation rounded once (no fused multiply-add, a
-correctly rounded division and square root), is `adamw_reference`; on a CPU the Triton interpreter runs
+parameter group over all its tensors (a table of their addresses, 8,192 elements per program). What it
+computes, per element, in FP32 with every operation rounded once (no fused multiply-add, a correctly rounded
+division and square root), is `adamw_reference`; on a CPU the Triton interpreter runs
 the same kernel and equals it bit for bit (tests/test_adamw.py). It is torch's AdamW up to the order of
 rounding: the parameter decays first, m moves towards g as torch's `lerp`, v = beta2 v + (1 - beta2) g^2,
 then p -= lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps).

@@ -75,11 +75,15 @@ def _strip_kernel(x_ptr, M, K, stride_xm, qr_ptr, sr_ptr, Kp, qc_ptr, sc_ptr, Mp
 
 @triton.jit
 def _layout_kernel(x_ptr, M, K, stride_xm, qr_ptr, sr_ptr, Kp, qc_ptr, sc_ptr, Mp, FMT_MAX: tl.constexpr,
-                   K_FASTEST: tl.constexpr, EVEN: tl.constexpr, STREAM: tl.constexpr, BLOCK: tl.constexpr):
-    """The two-copy launch (BF16, POW2) with one of three changes, to time where the H200 loses bandwidth:
+                   K_FASTEST: tl.constexpr, EVEN: tl.constexpr, STREAM: tl.constexpr, RELOAD: tl.constexpr,
+                   BLOCK: tl.constexpr):
+    """The two-copy launch (BF16, POW2) with one of four changes, to time where the H200 loses bandwidth:
     K_FASTEST, consecutive programs walk the features (x read and the rows copy written as contiguous runs,
     the cols copy strided) rather than the tokens; EVEN, no masks (every tile whole and no padding: M, K
-    multiples of 128, Kp == K, Mp == M); STREAM, loads and stores marked evict-first / streaming."""
+    multiples of 128, Kp == K, Mp == M); STREAM, loads and stores marked evict-first / streaming; RELOAD, the
+    tile read again (from L2, just read) for the cols copy once the rows copy is stored, so that x's registers
+    are free in between: at 16 warps 64 registers, two programs an SM, with no launch option (75 without; EVEN
+    alone also takes 64 there)."""
     if K_FASTEST:
         pid_k = tl.program_id(0)
         pid_m = tl.program_id(1)
@@ -121,6 +125,11 @@ def _layout_kernel(x_ptr, M, K, stride_xm, qr_ptr, sr_ptr, Kp, qc_ptr, sc_ptr, M
     else:
         tl.store(qr_ptr + offs_m[:, None] * Kp + offs_k[None, :], q_r, mask=r_mask)
     tl.store(sr_ptr + pid_k * M + offs_m, s_r, mask=sr_mask)
+    if RELOAD:
+        if EVEN:
+            x = tl.load(x_ptrs)
+        else:
+            x = tl.load(x_ptrs, mask=x_mask, other=0.0)
     q_t = tl.trans(tq._quant(x, tq._inverse(s_c, True)[None, :]).to(qc_ptr.dtype.element_ty))
     if STREAM:
         tl.store(qc_ptr + offs_k[:, None] * Mp + offs_m[None, :], q_t, mask=c_mask, cache_modifier=".cs")
@@ -129,8 +138,8 @@ def _layout_kernel(x_ptr, M, K, stride_xm, qr_ptr, sr_ptr, Kp, qc_ptr, sc_ptr, M
     tl.store(sc_ptr + pid_m * K + offs_k, s_c, mask=sc_mask)
 
 
-def layout_quantize(x2d, k_fastest: bool = False, even: bool = False, stream: bool = False, num_warps: int = 8,
-                    pad: int = 512):
+def layout_quantize(x2d, k_fastest: bool = False, even: bool = False, stream: bool = False, reload: bool = False,
+                    num_warps: int = 8, pad: int = 512):
     M, K = x2d.shape
     Kp, Mp = tq.round_up(K, pad), tq.round_up(M, pad)
     qr, sr, qc, sc = _outputs(M, K, Kp, Mp, x2d.device)
@@ -138,7 +147,7 @@ def layout_quantize(x2d, k_fastest: bool = False, even: bool = False, stream: bo
     grid = tiles[::-1] if k_fastest else tiles
     even = even and M % 128 == 0 and K % 128 == 0 and (Kp, Mp) == (K, M)
     _layout_kernel[grid](x2d, M, K, x2d.stride(0), qr, sr, Kp, qc, sc, Mp, FMT_MAX=E4M3.max, K_FASTEST=k_fastest,
-                         EVEN=even, STREAM=stream, BLOCK=128, num_warps=num_warps)
+                         EVEN=even, STREAM=stream, RELOAD=reload, BLOCK=128, num_warps=num_warps)
     return qr, sr.t(), qc, sc.t()
 
 
@@ -298,6 +307,9 @@ def main(argv=None) -> int:
     for name, kw in (("k-fastest", dict(k_fastest=True)), ("even", dict(even=True)), ("stream", dict(stream=True)),
                      ("even k-fastest stream", dict(even=True, k_fastest=True, stream=True))):
         act[f"w8 {name}"] = lambda x, kw=kw: layout_quantize(x, **kw)
+    act["w16 even"] = lambda x: layout_quantize(x, even=True, num_warps=16)  # also 64 registers at 16 warps
+    act["w16 reload"] = lambda x: layout_quantize(x, reload=True, num_warps=16)
+    act["w16 even reload"] = lambda x: layout_quantize(x, even=True, reload=True, num_warps=16)
     if legacy is not None:
         act["legacy"] = lambda x: legacy.quantize_tiles_and_transpose(x, E4M3, E4M3, True, 512)
     wgt = {f"w{w}": (lambda w_, w=w: (tq.quantize_blocks(w_, E4M3, True, 512, num_warps=w),

@@ -140,7 +140,9 @@ def _benchmark_candidate_failures() -> list:
         variants = {"act_launch": lambda: bq.act_launch(x, pad=128, maxnreg=None),
                     "act_launch swiglu": lambda: bq._as_ops(bq.act_launch(x, (u,), 1, pad=128, maxnreg=None))}
         variants.update({f"layout {kw}": (lambda kw=kw: bq.layout_quantize(x, pad=128, **kw))
-                         for kw in ({}, {"k_fastest": True}, {"even": True}, {"stream": True})})
+                         for kw in ({}, {"k_fastest": True}, {"even": True}, {"stream": True},
+                                    {"reload": True, "num_warps": 16}, {"even": True, "reload": True},
+                                    {"even": True, "num_warps": 16})})
         for vname, fn in variants.items():
             ref = tq.quantize_swiglu(x, u, bq.E4M3, bq.E4M3, True, 128) if "swiglu" in vname else want
             if not all(torch.equal(_bits(a.float()), _bits(b.float())) for a, b in zip(ref, fn())):

@@ -339,5 +339,46 @@ def compile_sm90() -> dict:
     return out
 
 
+def mutation_analysis() -> dict:
+    """What torch.compile believes each launch writes: torch's own analysis of the kernels' Triton IR (the one
+    that decides which inputs inductor copies before a user kernel), with an SM90 target standing in for the
+    GPU. Per launch the library makes: {"writes": [...], "reads": [...]} by argument name."""
+    from triton.backends.compiler import GPUTarget
+    from torch._higher_order_ops.triton_kernel_wrap import identify_accessed_tensors
+
+    class _Sm90:  # the analysis asks the active driver for its target; there is no GPU here
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+    triton.runtime.driver.set_active(_Sm90())
+    M, K = 256, 384
+    x, y, z = (torch.randn(M, K).to(torch.bfloat16) for _ in range(3))
+    fp8 = torch.float8_e4m3fn
+    out = {}
+    for producer, others in ((0, ()), (1, (y,)), (2, (y, z)), (3, (y,))):
+        for rows, cols in ((True, True), (True, False), (False, True)):
+            y_, z_ = (*others, None, None)[:2]
+            kw = dict(x_ptr=x, M=M, K=K, stride_xm=K, qr_ptr=torch.empty(M, K, dtype=fp8) if rows else None,
+                      sr_ptr=torch.empty(K // 128, M) if rows else None, Kp=K,
+                      qc_ptr=torch.empty(K, M, dtype=fp8) if cols else None,
+                      sc_ptr=torch.empty(M // 128, K) if cols else None, Mp=M, y_ptr=y_, z_ptr=z_,
+                      ROW_MAX=448.0, COL_MAX=448.0, POW2=True, ROWS=rows, COLS=cols, BF16=True, BLOCK=128,
+                      PRODUCER=producer)
+            acc = identify_accessed_tensors(tq._act_kernel, kw, {})
+            out[f"activation producer={producer} rows={rows} cols={cols}"] = {
+                "writes": sorted(d.name for d in acc.read_writes.writes),
+                "reads": sorted(d.name for d in acc.read_writes.reads)}
+    w = torch.randn(M, K)
+    for transpose in (False, True):
+        kw = dict(w_ptr=w, N=M, K=K, stride_wn=K, q_ptr=torch.empty(M, K, dtype=fp8), ld_q=K,
+                  s_ptr=torch.empty(M // 128, K // 128), ld_s=K // 128, FMT_MAX=448.0, POW2=True, BF16=False,
+                  TRANSPOSE=transpose, BLOCK=128)
+        acc = identify_accessed_tensors(tq._weight_kernel, kw, {})
+        out[f"weight transpose={transpose}"] = {"writes": sorted(d.name for d in acc.read_writes.writes),
+                                                "reads": sorted(d.name for d in acc.read_writes.reads)}
+    return out
+
+
 if __name__ == "__main__":
-    print(json.dumps({"interpret": interpret, "exhaustive": exhaustive, "compile": compile_sm90}[sys.argv[1]]()))
+    print(json.dumps({"interpret": interpret, "exhaustive": exhaustive, "compile": compile_sm90,
+                      "mutation": mutation_analysis}[sys.argv[1]]()))

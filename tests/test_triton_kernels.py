@@ -44,9 +44,9 @@ def test_kernels_compile_for_sm90_without_spills():
 
 
 def test_compiler_sees_the_kernels_inputs_as_read_only():
-    """torch.compile copies every input it believes a user kernel writes before each launch (once 2.7% of a 7B
-    step: torch 2.11 listed a pointer handed to a @triton.jit helper as written, so the kernels keep their loads
-    in their own bodies). torch's own analysis of the kernels' Triton IR, with an SM90 target, must list as
+    """torch.compile copies every input it believes a user kernel writes before each launch (seen on the H200:
+    torch 2.11 listed a pointer handed to a @triton.jit helper as written, so the kernels keep their loads in
+    their own bodies). torch's own analysis of the kernels' Triton IR, with an SM90 target, must list as
     written exactly each launch's outputs: for every producer and copy choice, and the weight kernel."""
     res = _check("mutation")
     assert len(res) == 14

@@ -320,6 +320,33 @@ def test_optimizer_step_skips_non_finite_and_on_request(fused):
     assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
+@pytest.mark.parametrize("impl", ["fused", "foreach"])
+def test_optimizer_step_takes_the_norm_enqueued_before(impl):
+    """The trainer enqueues `gradient_norm` before its loss read and hands it to `optimizer_step` as `norm`: the
+    same norm and, bit for bit, the same update as `optimizer_step` measuring it itself; with `skip`, no step."""
+    from fp8train.train.optim import gradient_norm
+
+    results = []
+    for enqueued in (False, True):
+        model, (grads,) = _model_and_grads(1, 10.0, 1)
+        opt = build_optimizer(model, OptimConfig(lr=1e-2, impl=impl))
+        for p, g in zip(model.parameters(), grads):
+            p.grad = g.clone()
+        norm = gradient_norm(opt, model) if enqueued else None
+        assert norm is None or (norm.ndim == 0 and norm.dtype == torch.float32)
+        value = optimizer_step(opt, model, 1.0, norm=norm)
+        results.append((value, torch.cat([p.detach().flatten() for p in model.parameters()])))
+    assert results[0][0] == results[1][0] > 1.0  # clipping active
+    assert torch.equal(results[0][1], results[1][1])
+    model, (grads,) = _model_and_grads(1, 10.0, 1)
+    opt = build_optimizer(model, OptimConfig(lr=1e-2, impl=impl))
+    for p, g in zip(model.parameters(), grads):
+        p.grad = g.clone()
+    assert optimizer_step(opt, model, 1.0, skip=True, norm=gradient_norm(opt, model)) == results[0][0]
+    assert optimizer_step(opt, model, 1.0, skip=True, norm=torch.tensor(3.0)) == 3.0  # the one given is used
+    assert not opt.state
+
+
 def test_restore_step_impl_keeps_the_built_step_across_a_checkpoint():
     """A checkpoint's param_groups carry the saving run's `fused` / `foreach` flags, which load_state_dict
     restores; `restore_step_impl` puts back the ones this optimizer was built with (`optim.impl` is free to

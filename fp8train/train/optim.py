@@ -20,8 +20,8 @@ from torch import nn
 
 from .adamw import TritonAdamW, triton_adamw_available
 
-__all__ = ["OptimConfig", "build_optimizer", "build_scheduler", "clip_grad_norm", "lr_lambda", "optimizer_step",
-           "restore_step_impl"]
+__all__ = ["OptimConfig", "build_optimizer", "build_scheduler", "clip_grad_norm", "gradient_norm", "lr_lambda",
+           "optimizer_step", "restore_step_impl"]
 
 Schedule = Literal["wsd", "cosine", "constant"]
 _SCHEDULES = ("wsd", "cosine", "constant")
@@ -254,9 +254,13 @@ def clip_grad_norm(model_or_params: nn.Module | Iterable[torch.Tensor], max_norm
     return norm
 
 
-def _optimizer_norm(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> torch.Tensor:
-    """The global gradient norm: `TritonAdamW`'s own (one launch per group, its step's tables made before the host
-    reads the norm) where it steps exactly the parameters that have gradients, else `_total_norm`."""
+def gradient_norm(optimizer: torch.optim.Optimizer, model_or_params: nn.Module | Iterable[torch.Tensor]) -> torch.Tensor:
+    """The global gradient L2 norm as a device tensor, enqueued without a host sync (FSDP2 DTensors reduced
+    across ranks): `TritonAdamW`'s own (one launch per group; the step's tables made here) where it steps
+    exactly the parameters that have gradients, else torch's `get_total_norm`. Enqueued before the caller's
+    first host read of the step (the trainer's loss), its host work overlaps the backward still running on the
+    GPU, and that one read waits for the norm too; hand it to `optimizer_step` as `norm`."""
+    params = _params(model_or_params)
     if isinstance(optimizer, TritonAdamW):
         stepped = {id(p) for g in optimizer.param_groups for p in g["params"] if p.grad is not None}
         if stepped == {id(p) for p in params if p.grad is not None}:
@@ -271,8 +275,9 @@ def _folds_clip(optimizer: torch.optim.Optimizer) -> bool:
 
 
 def optimizer_step(optimizer: torch.optim.Optimizer, model_or_params: nn.Module | Iterable[torch.Tensor],
-                   max_norm: float | None, *, skip: bool = False) -> float:
-    """Clip the gradients to a global L2 norm of `max_norm` and step; return the norm before clipping.
+                   max_norm: float | None, *, skip: bool = False, norm: torch.Tensor | None = None) -> float:
+    """Clip the gradients to a global L2 norm of `max_norm` and step; return the norm before clipping (`norm`:
+    the device tensor `gradient_norm` enqueued for these gradients, else made here).
 
     No step, and the gradients left as they are, when `skip` or the norm is not finite (the caller counts
     it and zeroes them). `max_norm` None or 0 only measures. With `TritonAdamW` (the default on CUDA) or
@@ -282,21 +287,21 @@ def optimizer_step(optimizer: torch.optim.Optimizer, model_or_params: nn.Module 
     fused kernel also writes the scaled gradient back; `TritonAdamW` leaves it unclipped). It divides where
     torch's clip multiplies by min(1, max_norm / (norm + 1e-6)): while clipping is active a clipped gradient
     can differ in its last bit; otherwise the scale is exactly 1. foreach AdamW (the CPU default): clip
-    then step. One host sync either way: the norm.
+    then step. One host sync either way: the norm's read.
     """
     params = _params(model_or_params)
+    total = gradient_norm(optimizer, params) if norm is None else norm
+    value = float(total.item())
+    if skip or not math.isfinite(value):
+        return value
     if not _folds_clip(optimizer):
-        norm = clip_grad_norm(params, None if skip else max_norm)
-        if not skip and math.isfinite(norm):
-            optimizer.step()
-        return norm
-    total = _optimizer_norm(optimizer, params)
-    norm = float(total.item())
-    if skip or not math.isfinite(norm):
-        return norm
+        if max_norm:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        optimizer.step()
+        return value
     if not max_norm:
         optimizer.step()
-        return norm
+        return value
     if getattr(optimizer, "grad_scale", None) is not None:
         raise RuntimeError("optimizer_step: the optimizer already carries a grad_scale (a GradScaler step?)")
     optimizer.grad_scale = torch.clamp((total.float() + 1e-6) / max_norm, min=1.0)
@@ -304,4 +309,4 @@ def optimizer_step(optimizer: torch.optim.Optimizer, model_or_params: nn.Module 
         optimizer.step()
     finally:
         del optimizer.grad_scale
-    return norm
+    return value

@@ -36,7 +36,7 @@ from .loss import use_loss
 from .metrics import MetricsLogger, Throughput, flops_per_token, peak_memory_gib, peak_tflops
 from .lora import apply_lora, is_lora
 from .model import PRESETS, build_model, check_weights_match, load_model_tokenizer, parallelize_model
-from .optim import build_optimizer, build_scheduler, optimizer_step, restore_step_impl
+from .optim import build_optimizer, build_scheduler, gradient_norm, optimizer_step, restore_step_impl
 from .resume import plan_resume
 
 __all__ = ["NonFiniteLossError", "TrainResult", "Trainer", "train"]
@@ -268,10 +268,14 @@ class Trainer:
                     (out.loss * world.world_size).backward()
                 health.update(stats)
                 loss_sum += out.loss.detach().float()
+        # The norm is enqueued before the loss is read: that one host wait also covers it, and the norm's host
+        # work (the AdamW step's tables) overlaps the backward still running on the GPU.
+        params = list(self.model.parameters())
+        norm = gradient_norm(self.optimizer, params)
         loss = float(world.all_reduce_sum(loss_sum))
         # Clip and step (the clip folded into a fused AdamW's step); no update for a non-finite loss or norm.
-        grad_norm = optimizer_step(self.optimizer, self.model.parameters(), self.cfg.optim.grad_clip,
-                                   skip=not math.isfinite(loss))
+        grad_norm = optimizer_step(self.optimizer, params, self.cfg.optim.grad_clip, skip=not math.isfinite(loss),
+                                   norm=norm)
         if math.isfinite(loss) and math.isfinite(grad_norm):
             self._nonfinite_in_a_row = 0
         else:

@@ -113,13 +113,16 @@ def categorize_profile(prof) -> dict[str, float]:
     """CUDA kernel time (ms) of a torch.profiler run by category (`_kernel_events`). FP8 GEMMs are told by
     the kernel's name, not by the op that launched it: a CUDA graph replay records kernels without their ops."""
     out: dict[str, float] = defaultdict(float, {"fp8 gemm": 0.0, "bf16/fp32 gemm": 0.0})
-    for key, t, _ in _kernel_events(prof):
+    launches = 0
+    for key, t, calls in _kernel_events(prof):
         name = key.lower()
         cat = _kernel_category(name)
         if cat == "gemm":
             cat = "fp8 gemm" if re.search(_FP8_GEMM, name) else "bf16/fp32 gemm"
         out[cat] += t
+        launches += calls
     out["total"] = sum(out.values())
+    out["launches"] = launches  # kernel launches in the step (a count, not ms)
     return dict(out)
 
 
@@ -138,10 +141,18 @@ def top_kernel_times(prof, n: int) -> list[tuple[str, str, float, int]]:
 
 def profile_table(label_columns: list[str], rows: list[tuple[list, dict[str, float]]]) -> list[str]:
     """`categorize_profile` results as a markdown table under "CUDA kernel time of one step, ms:" (lines, a
-    blank one first): each row is its labels (one per label column) and its categories' ms."""
-    cols = [*label_columns, *_PROFILE_COLUMNS]
+    blank one first): each row is its labels (one per label column), its categories' ms, its kernel launches
+    and, where the row carries the timed steps' median `step_ms`, that minus the profiled step's kernel time
+    (the GPU's idle time in a step: launch gaps, host waits)."""
+    cols = [*label_columns, *_PROFILE_COLUMNS, "kernel launches", "median step - kernels"]
+
+    def extra(ms: dict) -> list[str]:  # the launches (a count), and the step's GPU idle time where the step is known
+        return [f"{ms['launches']:.0f}" if "launches" in ms else "-",
+                f"{ms['step_ms'] - ms['total']:.1f}" if "step_ms" in ms else "-"]
+
     return (["", "CUDA kernel time of one step, ms:", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-            + ["| " + " | ".join([*map(str, labels), *(f"{ms.get(c, 0.0):.1f}" for c in _PROFILE_COLUMNS)]) + " |"
+            + ["| " + " | ".join([*map(str, labels), *(f"{ms.get(c, 0.0):.1f}" for c in _PROFILE_COLUMNS),
+                                  *extra(ms)]) + " |"
                for labels, ms in rows])
 
 
@@ -370,8 +381,8 @@ def markdown_table(results: list[dict]) -> str:
     profiled = [r for r in results if "profile_ms" in r]
     if profiled:
         lines += profile_table(["model", "seq", "mode", "variant"],
-                               [([f"{r['model']}/{r['layers']}", r["seq"], r["mode"], _label(r)], r["profile_ms"])
-                                for r in profiled])
+                               [([f"{r['model']}/{r['layers']}", r["seq"], r["mode"], _label(r)],
+                                 {**r["profile_ms"], "step_ms": r["step_ms"]}) for r in profiled])
     lines += _rounds_table(results)
     for r in (r for r in results if "memory_gib" in r):
         lines += ["", f"Peak memory by kind, GiB: {r['model']}/{r['layers']} {r['seq']} {r['mode']} {_label(r)}", "",

@@ -113,7 +113,8 @@ def test_profile_counts_kernels_once_and_splits_fp8_gemms_by_kernel_name():
     table = markdown_table([{"model": "m", "layers": 1, "seq": 8, "variant": "bf16", "mode": "eager", "step_ms": 2.0,
                              "tokens_per_s": 4.0, "tflops": 1.0, "mfu_bf16_peak": 0.1, "peak_mem_gib": 1.0,
                              "loss_first": 1.0, "loss_last": 0.5, "profile_ms": p}])
-    assert "| 3.0 | 5.0 | 1.0 | 2.0 | 0.2 | 0.5 | 0.0 | 11.8 |" in table
+    assert p["launches"] == 14  # the _act_kernel's 8 launches counted, CPU ops and the annotation not
+    assert "| 3.0 | 5.0 | 1.0 | 2.0 | 0.2 | 0.5 | 0.0 | 11.8 | 14 | -9.8 |" in table  # step 2.0 - kernels 11.75
     assert "| bf16 | 2.0 | 4 |" in table  # a result without the steps' range (older JSON lines)
     ranged = markdown_table([{"model": "m", "layers": 1, "seq": 8, "variant": "bf16", "mode": "eager", "step_ms": 2.0,
                               "step_ms_range": [1.94, 2.31], "tokens_per_s": 4.0, "tflops": 1.0, "mfu_bf16_peak": 0.1,

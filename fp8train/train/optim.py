@@ -254,7 +254,8 @@ def clip_grad_norm(model_or_params: nn.Module | Iterable[torch.Tensor], max_norm
     return norm
 
 
-def gradient_norm(optimizer: torch.optim.Optimizer, model_or_params: nn.Module | Iterable[torch.Tensor]) -> torch.Tensor:
+def gradient_norm(optimizer: torch.optim.Optimizer,
+                  model_or_params: nn.Module | Iterable[torch.Tensor]) -> torch.Tensor:
     """The global gradient L2 norm as a device tensor, enqueued without a host sync (FSDP2 DTensors reduced
     across ranks): `TritonAdamW`'s own (one launch per group; the step's tables made here) where it steps
     exactly the parameters that have gradients, else torch's `get_total_norm`. Enqueued before the caller's

@@ -163,18 +163,10 @@ def strip_quantize(x2d, tiles: int, stages: int, num_warps: int = 8, pad: int = 
 
 def act_launch(x2d, others=(), producer: int = 0, num_warps: int = 16, maxnreg: int | None = 64, pow2: bool = True,
                pad: int = 512):
-    """The library's `_act_kernel` as `kernels._quantize_tiles` launches it (both copies), with a register cap:
-    16 warps at <= 64 registers fit two programs on an SM (32 warps, against 16 at 8 warps and ~114-128)."""
-    M, K = x2d.shape
-    Kp, Mp = tq.round_up(K, pad), tq.round_up(M, pad)
-    qr, sr, qc, sc = _outputs(M, K, Kp, Mp, x2d.device)
-    y, z = (*others, None, None)[:2]
-    opts = {"maxnreg": maxnreg} if maxnreg else {}
-    tq._act_kernel[(-(-Mp // 128), -(-Kp // 128))](
-        x2d, M, K, x2d.stride(0), qr, sr, Kp, qc, sc, Mp, y, z, ROW_MAX=E4M3.max, COL_MAX=E4M3.max, POW2=pow2,
-        BF16=x2d.dtype == torch.bfloat16, PRODUCER=producer, ROWS=True, COLS=True, BLOCK=128, num_warps=num_warps,
-        **opts)
-    return qr, sr.t(), qc, sc.t()
+    """The library's two-copy launch (`kernels._quantize_tiles`) with a register cap: 16 warps at <= 64
+    registers fit two programs on an SM (32 warps, against 16 at 8 warps and ~114-128)."""
+    return tq._quantize_tiles(x2d, others, producer, E4M3, E4M3, pow2, pad, True, num_warps, False,
+                              maxnreg=maxnreg)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

@@ -324,7 +324,8 @@ def _memory_split_applies(mode: str) -> bool:
     return mode != "cudagraphs"
 
 
-_SHAPE_KEYS = ("model", "layers", "seq", "mode", "loss_impl", "optim_impl")
+_CASE_KEYS = ("model", "layers", "seq", "mode")
+_SHAPE_KEYS = (*_CASE_KEYS, "loss_impl", "optim_impl")  # a result's BF16 base shares all of these
 
 
 def _base(results: list[dict], r: dict) -> dict | None:
@@ -339,7 +340,7 @@ def _rounds_table(results: list[dict]) -> list[str]:
     groups: dict = defaultdict(list)
     for r in results:
         if (b := _base(results, r)) is not None and r["variant"] != "bf16":
-            groups[(*(r.get(k) for k in _SHAPE_KEYS[:4]), _label(r))].append(
+            groups[(*(r.get(k) for k in _CASE_KEYS), _label(r))].append(  # _label carries loss and optimizer
                 (b["step_ms"] / r["step_ms"], r["peak_mem_gib"] / b["peak_mem_gib"]))
     if not any(len(v) > 1 for v in groups.values()):
         return []

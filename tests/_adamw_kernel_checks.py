@@ -216,21 +216,20 @@ def compile_sm90() -> dict:
     sig = {n: "constexpr" for n in adamw._adamw_kernel.arg_names}
     sig.update(addr_ptr="*i64", hyper_ptr="*fp32", chunk_ptr="*i32", grad_scale_ptr="*fp32", decay="fp32",
                one_minus_beta1="fp32", beta2="fp32", one_minus_beta2="fp32", eps="fp32")
-    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    from _triton_kernel_checks import _resources  # registers and stack, as the quantization kernels' check
+
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 
     def resources(kernel, sig, consts, **options) -> dict:
+        """`_resources`, and the fused multiply-adds in the SASS."""
         k = triton.compile(ASTSource(kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
                            options={"num_warps": adamw._LAUNCH[2], **options})
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
             f.write(k.asm["cubin"])
             f.flush()
-            res = subprocess.run([str(tools / "cuobjdump"), "-res-usage", f.name], capture_output=True,
-                                 text=True, check=True).stdout
-            sass = subprocess.run([str(tools / "cuobjdump"), "-sass", f.name], capture_output=True, text=True,
+            sass = subprocess.run([str(cuobjdump), "-sass", f.name], capture_output=True, text=True,
                                   check=True).stdout
-        r = {k: int(v) for k, v in re.findall(r"(REG|STACK):(\d+)", res)}
-        r["FFMA"] = len(re.findall(r"\bFFMA\b", sass))
-        return r
+        return {**_resources(k), "FFMA": len(re.findall(r"\bFFMA\b", sass))}
 
     out = {}
     for has_scale in (True, False):

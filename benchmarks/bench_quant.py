@@ -9,12 +9,11 @@ FP8 copies (4 + 1 + 1). Variants: the library's kernels at 4/8/16 warps, the row
 backward), the same with exact FP32 scales (`pow2_scale: false`), the SwiGLU producers against what they
 replace, with `--strip` a kernel that loops over several 128-feature tiles per program (software-pipelined
 loads; tried and dropped), and `--legacy` (a copy of an older `_triton_quant.py`, for A/B in one process).
-Candidates for the H200, where the activation kernel streams at ~2.6 TB/s of ~4.3 (docs/benchmarks.md): the
-library's kernel at 16 warps capped at 64 registers (two programs, 32 warps an SM, against 16 at 8 warps;
-`maxnreg` is a launch option that inductor does not pass on), and a copy of its plain two-copy launch with the
-programs walking the features first, without masks, or with streaming cache hints (`_layout_kernel`).
-(The Gluon kernels and the weight kernel's per-element division, timed here on 2026-12-05, are gone:
-docs/benchmarks.md section 1.)
+Candidates for the H200, where the activation kernel streams at ~2.6 TB/s of ~4.3 (docs/benchmarks.md): a
+copy of its plain two-copy launch with the programs walking the features first, without masks, or with
+streaming cache hints (`_layout_kernel`). (16-warp launches, with a register cap or without, measured
+1.45-1.67x slower than 8 warps on the H100 and went, docs/benchmarks.md, seventeenth session; the Gluon
+kernels and the weight kernel's per-element division, timed on 2026-12-05, are gone too: section 1.)
 """
 
 from __future__ import annotations
@@ -75,15 +74,11 @@ def _strip_kernel(x_ptr, M, K, stride_xm, qr_ptr, sr_ptr, Kp, qc_ptr, sc_ptr, Mp
 
 @triton.jit
 def _layout_kernel(x_ptr, M, K, stride_xm, qr_ptr, sr_ptr, Kp, qc_ptr, sc_ptr, Mp, FMT_MAX: tl.constexpr,
-                   K_FASTEST: tl.constexpr, EVEN: tl.constexpr, STREAM: tl.constexpr, RELOAD: tl.constexpr,
-                   BLOCK: tl.constexpr):
-    """The two-copy launch (BF16, POW2) with one of four changes, to time where the H200 loses bandwidth:
+                   K_FASTEST: tl.constexpr, EVEN: tl.constexpr, STREAM: tl.constexpr, BLOCK: tl.constexpr):
+    """The two-copy launch (BF16, POW2) with one of three changes, to time where the H200 loses bandwidth:
     K_FASTEST, consecutive programs walk the features (x read and the rows copy written as contiguous runs,
     the cols copy strided) rather than the tokens; EVEN, no masks (every tile whole and no padding: M, K
-    multiples of 128, Kp == K, Mp == M); STREAM, loads and stores marked evict-first / streaming; RELOAD, the
-    tile read again (from L2, just read) for the cols copy once the rows copy is stored, so that x's registers
-    are free in between: at 16 warps 64 registers, two programs an SM, with no launch option (75 without; EVEN
-    alone also takes 64 there)."""
+    multiples of 128, Kp == K, Mp == M); STREAM, loads and stores marked evict-first / streaming."""
     if K_FASTEST:
         pid_k = tl.program_id(0)
         pid_m = tl.program_id(1)
@@ -125,11 +120,6 @@ def _layout_kernel(x_ptr, M, K, stride_xm, qr_ptr, sr_ptr, Kp, qc_ptr, sc_ptr, M
     else:
         tl.store(qr_ptr + offs_m[:, None] * Kp + offs_k[None, :], q_r, mask=r_mask)
     tl.store(sr_ptr + pid_k * M + offs_m, s_r, mask=sr_mask)
-    if RELOAD:
-        if EVEN:
-            x = tl.load(x_ptrs)
-        else:
-            x = tl.load(x_ptrs, mask=x_mask, other=0.0)
     q_t = tl.trans(tq._quant(x, tq._inverse(s_c, True)[None, :]).to(qc_ptr.dtype.element_ty))
     if STREAM:
         tl.store(qc_ptr + offs_k[:, None] * Mp + offs_m[None, :], q_t, mask=c_mask, cache_modifier=".cs")
@@ -138,8 +128,8 @@ def _layout_kernel(x_ptr, M, K, stride_xm, qr_ptr, sr_ptr, Kp, qc_ptr, sc_ptr, M
     tl.store(sc_ptr + pid_m * K + offs_k, s_c, mask=sc_mask)
 
 
-def layout_quantize(x2d, k_fastest: bool = False, even: bool = False, stream: bool = False, reload: bool = False,
-                    num_warps: int = 8, pad: int = 512):
+def layout_quantize(x2d, k_fastest: bool = False, even: bool = False, stream: bool = False, num_warps: int = 8,
+                    pad: int = 512):
     M, K = x2d.shape
     Kp, Mp = tq.round_up(K, pad), tq.round_up(M, pad)
     qr, sr, qc, sc = _outputs(M, K, Kp, Mp, x2d.device)
@@ -147,7 +137,7 @@ def layout_quantize(x2d, k_fastest: bool = False, even: bool = False, stream: bo
     grid = tiles[::-1] if k_fastest else tiles
     even = even and M % 128 == 0 and K % 128 == 0 and (Kp, Mp) == (K, M)
     _layout_kernel[grid](x2d, M, K, x2d.stride(0), qr, sr, Kp, qc, sc, Mp, FMT_MAX=E4M3.max, K_FASTEST=k_fastest,
-                         EVEN=even, STREAM=stream, RELOAD=reload, BLOCK=128, num_warps=num_warps)
+                         EVEN=even, STREAM=stream, BLOCK=128, num_warps=num_warps)
     return qr, sr.t(), qc, sc.t()
 
 
@@ -159,14 +149,6 @@ def strip_quantize(x2d, tiles: int, stages: int, num_warps: int = 8, pad: int = 
     _strip_kernel[grid](x2d, M, K, x2d.stride(0), qr, sr, Kp, qc, sc, Mp, FMT_MAX=E4M3.max, DTYPE=tl.float8e4nv,
                         TILES=tiles, STAGES=stages, BLOCK=128, num_warps=num_warps)
     return qr, sr.t(), qc, sc.t()
-
-
-def act_launch(x2d, others=(), producer: int = 0, num_warps: int = 16, maxnreg: int | None = 64, pow2: bool = True,
-               pad: int = 512):
-    """The library's two-copy launch (`kernels._quantize_tiles`) with a register cap: 16 warps at <= 64
-    registers fit two programs on an SM (32 warps, against 16 at 8 warps and ~114-128)."""
-    return tq._quantize_tiles(x2d, others, producer, E4M3, E4M3, pow2, pad, True, num_warps, False,
-                              maxnreg=maxnreg)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -210,12 +192,6 @@ def _differ(a: torch.Tensor, b: torch.Tensor) -> int:
     return int((_bits(a) != _bits(b)).sum())
 
 
-def _as_ops(out):
-    """`act_launch`'s (rows, scale view, cols, scale view) in the ops' layout (the scales as [blocks, rows])."""
-    qr, sr, qc, sc = out
-    return qr, sr.t(), qc, sc.t()
-
-
 def swiglu_rows(copy_tbs: float, once: bool = False, shapes: list[str] | None = None,
                 only: str | None = None) -> list[dict]:
     """The SwiGLU producers (`fuse_swiglu`) against what they replace, at the MLP's [tokens, intermediate]:
@@ -245,9 +221,6 @@ def swiglu_rows(copy_tbs: float, once: bool = False, shapes: list[str] | None = 
             "swiglu bwd: inductor dg, du + kernel x2": (
                 lambda: [ops.quantize_input(t, plan, True) for t in bwd_ref(dh, g, u)], None, 10 + 8),
             "swiglu bwd: fused": (lambda: ops.quantize_swiglu_grads(dh, g, u, plan, True), want_g, 14),
-            "swiglu fwd: fused, w16 maxnreg64": (lambda: _as_ops(act_launch(g, (u,), 1)), want_h, 6),
-            "swiglu bwd: fused, w16 maxnreg64": (
-                lambda: (*_as_ops(act_launch(dh, (g, u), 2)), *_as_ops(act_launch(dh, (g,), 3))), want_g, 14),
         }
         for name, (fn, want, nbytes) in variants.items():
             if only and not re.search(only, name):
@@ -294,14 +267,9 @@ def main(argv=None) -> int:
     act["w8 exact rows-only"] = lambda x: tq.quantize_tiles_and_transpose(x, E4M3, E4M3, False, 512, cols=False)
     for tiles, stages in ((2, 2), (4, 2), (4, 3)) if args.strip else ():  # tried and dropped (docs, section 1)
         act[f"strip t{tiles} s{stages}"] = lambda x, t=tiles, s=stages: strip_quantize(x, t, s)
-    act["w16 maxnreg64"] = lambda x: act_launch(x)
-    act["w16 maxnreg64 exact"] = lambda x: act_launch(x, pow2=False)
     for name, kw in (("k-fastest", dict(k_fastest=True)), ("even", dict(even=True)), ("stream", dict(stream=True)),
                      ("even k-fastest stream", dict(even=True, k_fastest=True, stream=True))):
         act[f"w8 {name}"] = lambda x, kw=kw: layout_quantize(x, **kw)
-    act["w16 even"] = lambda x: layout_quantize(x, even=True, num_warps=16)  # also 64 registers at 16 warps
-    act["w16 reload"] = lambda x: layout_quantize(x, reload=True, num_warps=16)
-    act["w16 even reload"] = lambda x: layout_quantize(x, even=True, reload=True, num_warps=16)
     if legacy is not None:
         act["legacy"] = lambda x: legacy.quantize_tiles_and_transpose(x, E4M3, E4M3, True, 512)
     wgt = {f"w{w}": (lambda w_, w=w: (tq.quantize_blocks(w_, E4M3, True, 512, num_warps=w),

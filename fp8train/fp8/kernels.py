@@ -263,10 +263,9 @@ def ops_layout(out, like: torch.Tensor) -> tuple:
 
 
 def _quantize_tiles(x2d, others, producer: int, row_fmt, col_fmt, pow2: bool, pad: int, cols: bool,
-                    num_warps: int | None, traced: bool, rows: bool = True, maxnreg: int | None = None) -> tuple:
+                    num_warps: int | None, traced: bool, rows: bool = True) -> tuple:
     """One launch of `_act_kernel` over x2d [M, K] (and `others`, the producer's other inputs, of its shape):
-    (rows data, rows scale view, cols data, cols scale view), None for a copy not made. `maxnreg` caps the
-    registers per thread (a Triton launch option; eager launches only: inductor does not pass it on)."""
+    (rows data, rows scale view, cols data, cols scale view), None for a copy not made."""
     if not (rows or cols):
         raise ValueError("_quantize_tiles: neither copy asked for")
     M, K = x2d.shape
@@ -288,7 +287,7 @@ def _quantize_tiles(x2d, others, producer: int, row_fmt, col_fmt, pow2: bool, pa
     _launcher(_act_kernel, traced)[grid](
         x2d, M, K, x2d.stride(0), qr, sr, Kp, qc, sc, Mp, y, z, ROW_MAX=row_fmt.max, COL_MAX=col_fmt.max,
         POW2=pow2, BF16=x2d.dtype == torch.bfloat16, PRODUCER=producer, ROWS=rows, COLS=cols, BLOCK=_SIDE,
-        num_warps=num_warps or _NUM_WARPS, **({"maxnreg": maxnreg} if maxnreg else {}),
+        num_warps=num_warps or _NUM_WARPS,
     )
     return (qr, sr.t() if rows else None, qc, sc.t() if cols else None)
 

@@ -198,7 +198,7 @@ def main(argv=None) -> list[dict]:
         append_jsonl(a.out, r)
     profiled = [r for r in results if "profile_ms" in r]
     if profiled:
-        print("\n".join(profile_table(["recipe"], [([r["recipe"]], {**r["profile_ms"], "step_ms": r["ms_per_step"]})
+        print("\n".join(profile_table(["recipe"], [([r["recipe"]], r["profile_ms"], r["ms_per_step"])
                                                    for r in profiled])))
         for r in (r for r in profiled if r.get("top_kernels_ms")):
             print("\n".join(top_kernels_table(r["recipe"], r["top_kernels_ms"])))

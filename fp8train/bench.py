@@ -139,21 +139,20 @@ def top_kernel_times(prof, n: int) -> list[tuple[str, str, float, int]]:
     return sorted(rows, key=lambda r: -r[2])[:n]
 
 
-def profile_table(label_columns: list[str], rows: list[tuple[list, dict[str, float]]]) -> list[str]:
+def profile_table(label_columns: list[str], rows: list[tuple[list, dict[str, float], float | None]]) -> list[str]:
     """`categorize_profile` results as a markdown table under "CUDA kernel time of one step, ms:" (lines, a
     blank one first): each row is its labels (one per label column), its categories' ms, its kernel launches
-    and, where the row carries the timed steps' median `step_ms`, that minus the profiled step's kernel time
-    (the GPU's idle time in a step: launch gaps, host waits)."""
+    and, where the row's timed steps' median (ms) is given, that minus the profiled step's kernel time (the
+    GPU's idle time in a step: launch gaps, host waits)."""
     cols = [*label_columns, *_PROFILE_COLUMNS, "kernel launches", "median step - kernels"]
 
-    def extra(ms: dict) -> list[str]:  # the launches (a count), and the step's GPU idle time where the step is known
-        return [f"{ms['launches']:.0f}" if "launches" in ms else "-",
-                f"{ms['step_ms'] - ms['total']:.1f}" if "step_ms" in ms else "-"]
+    def cells(labels: list, ms: dict, step_ms: float | None) -> list[str]:
+        return [*map(str, labels), *(f"{ms.get(c, 0.0):.1f}" for c in _PROFILE_COLUMNS),
+                f"{ms['launches']:.0f}" if "launches" in ms else "-",
+                f"{step_ms - ms['total']:.1f}" if step_ms is not None else "-"]
 
     return (["", "CUDA kernel time of one step, ms:", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-            + ["| " + " | ".join([*map(str, labels), *(f"{ms.get(c, 0.0):.1f}" for c in _PROFILE_COLUMNS),
-                                  *extra(ms)]) + " |"
-               for labels, ms in rows])
+            + ["| " + " | ".join(cells(*row)) + " |" for row in rows])
 
 
 def top_kernels_table(title: str, rows: list[tuple[str, str, float, int]]) -> list[str]:
@@ -382,8 +381,8 @@ def markdown_table(results: list[dict]) -> str:
     profiled = [r for r in results if "profile_ms" in r]
     if profiled:
         lines += profile_table(["model", "seq", "mode", "variant"],
-                               [([f"{r['model']}/{r['layers']}", r["seq"], r["mode"], _label(r)],
-                                 {**r["profile_ms"], "step_ms": r["step_ms"]}) for r in profiled])
+                               [([f"{r['model']}/{r['layers']}", r["seq"], r["mode"], _label(r)], r["profile_ms"],
+                                 r["step_ms"]) for r in profiled])
     lines += _rounds_table(results)
     for r in (r for r in results if "memory_gib" in r):
         lines += ["", f"Peak memory by kind, GiB: {r['model']}/{r['layers']} {r['seq']} {r['mode']} {_label(r)}", "",

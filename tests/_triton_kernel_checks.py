@@ -346,6 +346,11 @@ def mutation_analysis() -> dict:
             return GPUTarget("cuda", 90, 32)
 
     triton.runtime.driver.set_active(_Sm90())
+
+    def accessed(kernel, kw: dict) -> dict:
+        rw = identify_accessed_tensors(kernel, kw, {}).read_writes
+        return {"writes": sorted(d.name for d in rw.writes), "reads": sorted(d.name for d in rw.reads)}
+
     M, K = 256, 384
     x, y, z = (torch.randn(M, K).to(torch.bfloat16) for _ in range(3))
     fp8 = torch.float8_e4m3fn
@@ -359,18 +364,13 @@ def mutation_analysis() -> dict:
                       sc_ptr=torch.empty(M // 128, K) if cols else None, Mp=M, y_ptr=y_, z_ptr=z_,
                       ROW_MAX=448.0, COL_MAX=448.0, POW2=True, ROWS=rows, COLS=cols, BF16=True, BLOCK=128,
                       PRODUCER=producer)
-            acc = identify_accessed_tensors(tq._act_kernel, kw, {})
-            out[f"activation producer={producer} rows={rows} cols={cols}"] = {
-                "writes": sorted(d.name for d in acc.read_writes.writes),
-                "reads": sorted(d.name for d in acc.read_writes.reads)}
+            out[f"activation producer={producer} rows={rows} cols={cols}"] = accessed(tq._act_kernel, kw)
     w = torch.randn(M, K)
     for transpose in (False, True):
         kw = dict(w_ptr=w, N=M, K=K, stride_wn=K, q_ptr=torch.empty(M, K, dtype=fp8), ld_q=K,
                   s_ptr=torch.empty(M // 128, K // 128), ld_s=K // 128, FMT_MAX=448.0, POW2=True, BF16=False,
                   TRANSPOSE=transpose, BLOCK=128)
-        acc = identify_accessed_tensors(tq._weight_kernel, kw, {})
-        out[f"weight transpose={transpose}"] = {"writes": sorted(d.name for d in acc.read_writes.writes),
-                                                "reads": sorted(d.name for d in acc.read_writes.reads)}
+        out[f"weight transpose={transpose}"] = accessed(tq._weight_kernel, kw)
     return out
 
 

@@ -232,6 +232,10 @@ def merge(paths: list[Path]) -> dict:
                                           if spec.startswith(REFERENCE + "@")), default=None)}
 
 
+def _points(x: float | None) -> str:
+    return "n/a (no bf16@ seed)" if x is None else f"{x:.1f} points"
+
+
 def markdown(m: dict) -> str:
     nf = m["noise_floor"]
     lines = ["| arm | CPT val loss | CPT gap | SFT val loss | SFT gap | accuracy | vs BF16 (only BF16 / only arm, p) |",
@@ -243,7 +247,7 @@ def markdown(m: dict) -> str:
                      f"{100 * r['accuracy']:.1f}% ({r['accuracy_diff_points']:+.1f}) "
                      f"| {p['only_bf16']} / {p['only_fp8']}, p = {p['mcnemar_p']:.2f} |")
     lines += ["", f"BF16 seed-to-seed spread (noise floor): CPT {fid.fmt_value(nf['cpt'], True)}, SFT "
-              f"{fid.fmt_value(nf['sft'], True)}, accuracy {m['accuracy_noise_points']} points."]
+              f"{fid.fmt_value(nf['sft'], True)}, accuracy {_points(m['accuracy_noise_points'])}."]
     return "\n".join(lines) + "\n"
 
 

@@ -74,6 +74,8 @@ def test_merge_gaps_noise_floor_and_paired_test(tmp_path):
     assert t["bf16@1"]["paired"] | {"mcnemar_p": 0} == {"both": 1, "only_bf16": 1, "only_fp8": 1, "neither": 1,
                                                         "mcnemar_p": 0}
     assert "| hybrid | 2.0200 | +1.000% |" in knobs.markdown(m)
+    assert "accuracy 0.0 points." in knobs.markdown(m)  # rounded: 100 * (0.5 - 0.5) may print as 1e-14
+    assert "accuracy n/a (no bf16@ seed)." in knobs.markdown(knobs.merge([a]))
 
 
 def test_merge_refuses_runs_that_are_not_comparable(tmp_path):

@@ -74,7 +74,9 @@ def test_merge_gaps_noise_floor_and_paired_test(tmp_path):
     assert t["bf16@1"]["paired"] | {"mcnemar_p": 0} == {"both": 1, "only_bf16": 1, "only_fp8": 1, "neither": 1,
                                                         "mcnemar_p": 0}
     assert "| hybrid | 2.0200 | +1.000% |" in knobs.markdown(m)
-    assert "accuracy 0.0 points." in knobs.markdown(m)  # rounded: 100 * (0.5 - 0.5) may print as 1e-14
+    assert "accuracy 0.0 points." in knobs.markdown(m)
+    real = {"table": {}, "noise_floor": {"cpt": 0.0019, "sft": 0.0006}, "accuracy_noise_points": 100 * (0.036 - 0.032)}
+    assert "accuracy 0.4 points." in knobs.markdown(real)  # not 0.3999999999999997 (a real run's)
     assert "accuracy n/a (no bf16@ seed)." in knobs.markdown(knobs.merge([a]))
 
 

@@ -128,8 +128,7 @@ def _layout_kernel(x_ptr, M, K, stride_xm, qr_ptr, sr_ptr, Kp, qc_ptr, sc_ptr, M
     tl.store(sc_ptr + pid_m * K + offs_k, s_c, mask=sc_mask)
 
 
-def layout_quantize(x2d, k_fastest: bool = False, even: bool = False, stream: bool = False, num_warps: int = 8,
-                    pad: int = 512):
+def layout_quantize(x2d, k_fastest: bool = False, even: bool = False, stream: bool = False, pad: int = 512):
     M, K = x2d.shape
     Kp, Mp = tq.round_up(K, pad), tq.round_up(M, pad)
     qr, sr, qc, sc = _outputs(M, K, Kp, Mp, x2d.device)
@@ -137,7 +136,7 @@ def layout_quantize(x2d, k_fastest: bool = False, even: bool = False, stream: bo
     grid = tiles[::-1] if k_fastest else tiles
     even = even and M % 128 == 0 and K % 128 == 0 and (Kp, Mp) == (K, M)
     _layout_kernel[grid](x2d, M, K, x2d.stride(0), qr, sr, Kp, qc, sc, Mp, FMT_MAX=E4M3.max, K_FASTEST=k_fastest,
-                         EVEN=even, STREAM=stream, BLOCK=128, num_warps=num_warps)
+                         EVEN=even, STREAM=stream, BLOCK=128, num_warps=8)  # the library launch's warps
     return qr, sr.t(), qc, sc.t()
 
 

@@ -3,8 +3,9 @@
 Issue 19 items 2, 3 and 5. Every arm starts from the same SmolLM2-135M base, reads the same CPT and SFT
 batches (the data split is fixed by --seed) and differs only in what its spec names:
 
-    bf16                          BF16 (the reference of every gap)
-    bf16@1                        BF16 with training seed 1 (data order): the noise floor
+    bf16                          BF16 (the reference of the gaps of every arm on its seed)
+    bf16@1                        BF16 with training seed 1 (data order): the noise floor, and the
+                                  reference of the arms on seed 1
     hybrid                        the paper's recipe: 1x128 activations, 128x128 weights, power-of-two scales
     hybrid+exact                  ... with exact FP32 scales (amax / 448) instead of powers of two
     hybrid+keep=0,1,-2,-1         ... with those decoder layers left in BF16 (the `bf16_layers` key)
@@ -17,12 +18,14 @@ Per arm: CPT (`--cpt-steps` of 32 x 2,048 tokens, warmup-stable-decay), SFT of t
 of every check (underflow / saturation per layer type and operand over time). The step counts are fixed, not
 sized from the clock, so that arms run in different invocations (or device calls) are comparable; an arm
 that would not fit the `--budget-s` left is skipped and recorded. `--merge` joins the results of several
-invocations into one table: each arm's gaps to the `bf16` arm, BF16's own seed-to-seed spread beside them,
-and the paired accuracy test against BF16.
+invocations (or a runs file that keeps them, `--runs`) into one table: each arm's gaps to the BF16 arm of
+its training seed, at the end and at every validation, BF16's own seed-to-seed spread beside them, and the
+paired accuracy test against BF16.
 
     python benchmarks/fidelity_knobs.py --base-gguf SmolLM2-135M-Instruct.Q4_1.gguf --gsm8k train.jsonl \
         --arms bf16 hybrid bf16@1 hybrid+exact --out OUT/a.json
-    python benchmarks/fidelity_knobs.py --merge OUT/a.json OUT/b.json --out docs/fidelity_knobs.json
+    python benchmarks/fidelity_knobs.py --merge OUT/a.json OUT/b.json --out docs/fidelity_knobs.json \
+        --runs docs/fidelity_knobs_runs.json --plot docs/fidelity_knobs.png
     python benchmarks/fidelity_knobs.py --smoke --gsm8k ../shared/data/gsm8k/train.jsonl --out /tmp/k.json
 """
 
@@ -200,36 +203,74 @@ def run_arms(args: argparse.Namespace) -> dict:
 # ------------------------------------------------------------------------------------------ merge
 
 
-def merge(paths: list[Path]) -> dict:
-    """The arms of several invocations (same steps and data, checked) with their gaps to `bf16`."""
-    arms, cfg0 = {}, None
+def load_calls(paths: list[Path]) -> dict[str, dict]:
+    """Invocation name -> its results: a results JSON (named by its file), or every call of a runs file
+    (`--runs`, which is how the raw runs are kept in docs/)."""
+    calls = {}
     for p in paths:
         res = json.loads(p.read_text(encoding="utf-8"))
+        calls.update(res["calls"] if "calls" in res else {p.name: res})
+    return calls
+
+
+def _reference(spec: str, arms: dict, seed: int) -> str:
+    """The BF16 arm an arm's gaps are measured against: BF16 of the same training seed where it ran, else
+    `bf16`; a BF16 arm's own gap is to `bf16` (the noise floor)."""
+    arm = parse_arm(spec, seed)
+    same_seed = REFERENCE if arm.seed == seed else f"{REFERENCE}@{arm.seed}"
+    return same_seed if arm.recipe != "bf16" and same_seed in arms else REFERENCE
+
+
+def _curve_gaps(curve: list, ref_curve: list) -> list:
+    """[[step, relative gap], ...] at the validation steps both curves have."""
+    ref = dict((s, v) for s, v in ref_curve)
+    return [[s, fid.rel_gap(v, ref[s])] for s, v in curve if s in ref]
+
+
+def merge(calls: dict[str, dict]) -> dict:
+    """The arms of several invocations (same steps and data, checked), each with its gaps to the BF16 arm of its
+    training seed (`_reference`), final and at every validation, and BF16's seed-to-seed spread."""
+    arms, cfg0 = {}, None
+    for name, res in calls.items():
         cfg = {k: res["config"][k] for k in ("cpt_steps", "sft_steps", "seed", "holdout", "smoke")}
         if cfg0 is not None and cfg != cfg0:
-            raise ValueError(f"{p}: run with {cfg}, the first file with {cfg0}: the arms are not comparable")
+            raise ValueError(f"{name}: run with {cfg}, the first with {cfg0}: the arms are not comparable")
         cfg0 = cfg
         arms.update(res["arms"])
     if REFERENCE not in arms:
         raise ValueError(f"no {REFERENCE!r} arm among {sorted(arms)}: nothing to measure the gaps against")
-    ref = arms[REFERENCE]
     table = {}
     for spec, r in arms.items():
-        row = {f"{st}_val_loss": r[st]["final_val_loss"] for st in ("cpt", "sft")}
-        row.update({f"{st}_gap": fid.rel_gap(r[st]["final_val_loss"], ref[st]["final_val_loss"])
-                    for st in ("cpt", "sft")})
+        ref_spec = _reference(spec, arms, cfg0["seed"])
+        ref = arms[ref_spec]
+        row = {"reference": ref_spec}
+        for st in ("cpt", "sft"):
+            row[f"{st}_val_loss"] = r[st]["final_val_loss"]
+            row[f"{st}_gap"] = fid.rel_gap(r[st]["final_val_loss"], ref[st]["final_val_loss"])
+            row[f"{st}_val_gaps"] = _curve_gaps(r[st].get("val_curve", []), ref[st].get("val_curve", []))
         row["accuracy"] = r["eval"]["accuracy"]
         row["accuracy_diff_points"] = 100 * (r["eval"]["accuracy"] - ref["eval"]["accuracy"])
         row["paired"] = fid.paired([c == "1" for c in ref["eval"]["per_problem"]],
                                    [c == "1" for c in r["eval"]["per_problem"]])
         row["cpt_tokens_per_s"] = r["cpt"]["tokens_per_s"]
         table[spec] = row
-    floor = {st: [abs(row[f"{st}_gap"]) for spec, row in table.items()
-                  if spec.startswith(REFERENCE + "@")] for st in ("cpt", "sft")}
+    seeds = {spec: row for spec, row in table.items() if spec.startswith(REFERENCE + "@")}
     return {"config": cfg0, "table": table,
-            "noise_floor": {st: max(v) if v else None for st, v in floor.items()},
-            "accuracy_noise_points": max((abs(row["accuracy_diff_points"]) for spec, row in table.items()
-                                          if spec.startswith(REFERENCE + "@")), default=None)}
+            "noise_floor": {st: max((abs(row[f"{st}_gap"]) for row in seeds.values()), default=None)
+                            for st in ("cpt", "sft")},
+            "accuracy_noise_points": max((abs(row["accuracy_diff_points"]) for row in seeds.values()), default=None)}
+
+
+def runs_file(calls: dict[str, dict], merged_name: str) -> dict:
+    """The raw runs as docs/ keeps them: every invocation's results without the train curves (the
+    validation curves, health trends and per-problem results stay)."""
+    calls = copy.deepcopy(calls)
+    for res in calls.values():
+        for r in res["arms"].values():
+            for st in ("cpt", "sft"):
+                r[st].pop("train_curve", None)
+    return {"note": f"raw arms of {len(calls)} invocations (train curves dropped); merged table: {merged_name}",
+            "calls": calls}
 
 
 def _points(x: float | None) -> str:
@@ -237,22 +278,31 @@ def _points(x: float | None) -> str:
 
 
 def markdown(m: dict) -> str:
-    nf = m["noise_floor"]
-    lines = ["| arm | CPT val loss | CPT gap | SFT val loss | SFT gap | accuracy | vs BF16 (only BF16 / only arm, p) |",
-             "|---|---|---|---|---|---|---|"]
-    for spec, r in m["table"].items():
+    """The merged table, BF16's spread under it, then each FP8 arm's CPT gap at every validation."""
+    nf, table = m["noise_floor"], m["table"]
+    lines = ["| arm | against | CPT val loss | CPT gap | SFT val loss | SFT gap | accuracy | vs BF16 (only BF16 / only "
+             "arm, p) |", "|---|---|---|---|---|---|---|---|"]
+    for spec, r in table.items():
         p = r["paired"]
-        lines.append(f"| {spec} | {r['cpt_val_loss']:.4f} | {fid.fmt_value(r['cpt_gap'], True)} | "
+        lines.append(f"| {spec} | {r['reference']} | {r['cpt_val_loss']:.4f} | {fid.fmt_value(r['cpt_gap'], True)} | "
                      f"{r['sft_val_loss']:.4f} | {fid.fmt_value(r['sft_gap'], True)} | "
                      f"{100 * r['accuracy']:.1f}% ({r['accuracy_diff_points']:+.1f}) "
                      f"| {p['only_bf16']} / {p['only_fp8']}, p = {p['mcnemar_p']:.2f} |")
     lines += ["", f"BF16 seed-to-seed spread (noise floor): CPT {fid.fmt_value(nf['cpt'], True)}, SFT "
               f"{fid.fmt_value(nf['sft'], True)}, accuracy {_points(m['accuracy_noise_points'])}."]
+    along = {spec: r["cpt_val_gaps"] for spec, r in table.items() if spec != REFERENCE and r["cpt_val_gaps"]}
+    if along:
+        steps = sorted({s for gaps in along.values() for s, _ in gaps})
+        lines += ["", "CPT gap at each validation step:", "",
+                  "| arm | " + " | ".join(str(s) for s in steps) + " |", "|---|" + "---|" * len(steps)]
+        for spec, gaps in along.items():
+            at = dict((s, g) for s, g in gaps)
+            lines.append(f"| {spec} | " + " | ".join(fid.fmt_value(at.get(s), True) for s in steps) + " |")
     return "\n".join(lines) + "\n"
 
 
 def plot(m: dict, png: Path) -> None:
-    """CPT and SFT validation-loss gaps of every arm to `bf16`, the BF16 seeds' spread shaded."""
+    """CPT and SFT validation-loss gaps of every arm to its BF16 reference, the BF16 seeds' spread shaded."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -268,7 +318,7 @@ def plot(m: dict, png: Path) -> None:
             ax.axvspan(-100 * m["noise_floor"][stage], 100 * m["noise_floor"][stage], color="0.9", zorder=0,
                        label="BF16 seed-to-seed")
         ax.axvline(0, color="0.3", lw=0.8)
-        ax.set_xlabel(f"{stage.upper()} validation loss gap to BF16 (%)")
+        ax.set_xlabel(f"{stage.upper()} validation loss gap to BF16 of the same seed (%)")
         ax.legend(fontsize=8, loc="lower right")
     axes[0].set_yticks(range(len(specs)), specs, fontsize=8)
     axes[0].invert_yaxis()
@@ -282,6 +332,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", required=True, help="results JSON (the CPT plot lands beside it)")
     p.add_argument("--merge", nargs="+", default=None, help="results JSONs to join (no training)")
     p.add_argument("--plot", default=None, help="with --merge: PNG of every arm's gaps")
+    p.add_argument("--runs", default=None, help="with --merge: also write the inputs' raw runs to this JSON")
     p.add_argument("--arms", nargs="+", default=["bf16", "hybrid", "bf16@1", "hybrid+exact"])
     p.add_argument("--work", default="/tmp/fp8train_knobs", help="runs, token caches and models")
     p.add_argument("--base-gguf", default=None, help="SmolLM2-135M-Instruct GGUF; absent: the tiny untrained base")
@@ -303,8 +354,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.merge:
-        m = merge([Path(p) for p in args.merge])
+        calls = load_calls([Path(p) for p in args.merge])
+        m = merge(calls)
         _write(Path(args.out), m)
+        if args.runs:
+            _write(Path(args.runs), runs_file(calls, Path(args.out).name))
         if args.plot:
             plot(m, Path(args.plot))
         print(markdown(m), end="")

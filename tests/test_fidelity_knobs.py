@@ -49,9 +49,10 @@ def test_bad_arm_specs_name_the_spec(spec, words):
 # ------------------------------------------------------------------------------------------ merge
 
 
-def _arm(cpt: float, sft: float, right: str) -> dict:
-    return {"cpt": {"final_val_loss": cpt, "tokens_per_s": 1.0}, "sft": {"final_val_loss": sft},
-            "eval": {"accuracy": right.count("1") / len(right), "per_problem": right}}
+def _arm(cpt: float, sft: float, right: str, cpt_curve: list | None = None) -> dict:
+    return {"cpt": {"final_val_loss": cpt, "tokens_per_s": 1.0, "val_curve": cpt_curve or [],
+                    "train_curve": [[1, 9.0]]},
+            "sft": {"final_val_loss": sft}, "eval": {"accuracy": right.count("1") / len(right), "per_problem": right}}
 
 
 def _results(tmp_path: Path, name: str, arms: dict, cpt_steps: int = 80) -> Path:
@@ -61,10 +62,14 @@ def _results(tmp_path: Path, name: str, arms: dict, cpt_steps: int = 80) -> Path
     return p
 
 
+def _merge(*paths: Path) -> dict:
+    return knobs.merge(knobs.load_calls(list(paths)))
+
+
 def test_merge_gaps_noise_floor_and_paired_test(tmp_path):
     a = _results(tmp_path, "a.json", {"bf16": _arm(2.0, 1.0, "1100"), "hybrid": _arm(2.02, 1.01, "1000")})
     b = _results(tmp_path, "b.json", {"bf16@1": _arm(1.99, 1.002, "0110"), "bf16@2": _arm(2.004, 1.0, "1100")})
-    m = knobs.merge([a, b])
+    m = _merge(a, b)
     t = m["table"]
     assert t["hybrid"]["cpt_gap"] == pytest.approx(0.01) and t["hybrid"]["sft_gap"] == pytest.approx(0.01)
     assert t["bf16"]["cpt_gap"] == 0.0
@@ -73,20 +78,55 @@ def test_merge_gaps_noise_floor_and_paired_test(tmp_path):
     assert t["hybrid"]["accuracy_diff_points"] == pytest.approx(-25.0)
     assert t["bf16@1"]["paired"] | {"mcnemar_p": 0} == {"both": 1, "only_bf16": 1, "only_fp8": 1, "neither": 1,
                                                         "mcnemar_p": 0}
-    assert "| hybrid | 2.0200 | +1.000% |" in knobs.markdown(m)
+    assert "| hybrid | bf16 | 2.0200 | +1.000% |" in knobs.markdown(m)
     assert "accuracy 0.0 points." in knobs.markdown(m)
     real = {"table": {}, "noise_floor": {"cpt": 0.0019, "sft": 0.0006}, "accuracy_noise_points": 100 * (0.036 - 0.032)}
     assert "accuracy 0.4 points." in knobs.markdown(real)  # not 0.3999999999999997 (a real run's)
-    assert "accuracy n/a (no bf16@ seed)." in knobs.markdown(knobs.merge([a]))
+    assert "accuracy n/a (no bf16@ seed)." in knobs.markdown(_merge(a))
+
+
+def test_merge_measures_each_arm_against_bf16_of_its_seed_along_the_run(tmp_path):
+    """An arm on seed 1 is measured against bf16@1 where that ran (else against bf16), at the end and at every
+    validation step both curves have; BF16 seeds stay measured against bf16 (the noise floor)."""
+    a = _results(tmp_path, "a.json", {"bf16": _arm(2.0, 1.0, "1100", [[10, 2.5], [20, 2.0]]),
+                                      "hybrid@1": _arm(2.03, 1.0, "1100", [[10, 2.6], [20, 2.03]]),
+                                      "hybrid@2": _arm(2.03, 1.0, "1100"),
+                                      "hybrid": _arm(2.02, 1.0, "1100", [[10, 2.51]])})
+    b = _results(tmp_path, "b.json", {"bf16@1": _arm(2.01, 1.0, "1100", [[10, 2.55], [15, 2.2], [20, 2.01]])})
+    t = _merge(a, b)["table"]
+    assert [t[s]["reference"] for s in ("bf16", "bf16@1", "hybrid@1", "hybrid@2")] == ["bf16", "bf16", "bf16@1", "bf16"]
+    assert t["hybrid@1"]["cpt_gap"] == pytest.approx(2.03 / 2.01 - 1)  # not 2.03 / 2.0 - 1
+    assert t["hybrid@2"]["cpt_gap"] == pytest.approx(0.015)
+    assert t["bf16@1"]["cpt_gap"] == pytest.approx(0.005)
+    steps, gaps = zip(*t["hybrid@1"]["cpt_val_gaps"])
+    assert steps == (10, 20) and gaps == pytest.approx((2.6 / 2.55 - 1, 2.03 / 2.01 - 1))
+    assert t["hybrid@2"]["cpt_val_gaps"] == []
+    md = knobs.markdown(_merge(a, b))
+    assert "| arm | 10 | 20 |" in md and "| hybrid | +0.400% | n/a |" in md  # steps of the pairs that have them
+    assert f"| hybrid@1 | {100 * (2.6 / 2.55 - 1):+.3f}% | {100 * (2.03 / 2.01 - 1):+.3f}% |" in md
+
+
+def test_merge_reads_back_the_runs_file_it_writes(tmp_path):
+    """`--runs` keeps the inputs without their train curves; merging that file gives the same table."""
+    a = _results(tmp_path, "a.json", {"bf16": _arm(2.0, 1.0, "1100", [[10, 2.5]]),
+                                      "hybrid": _arm(2.02, 1.01, "1000", [[10, 2.52]])})
+    b = _results(tmp_path, "b.json", {"bf16@1": _arm(1.99, 1.002, "0110", [[10, 2.49]])})
+    out, runs = tmp_path / "merged.json", tmp_path / "runs.json"
+    assert knobs.main(["--merge", str(a), str(b), "--out", str(out), "--runs", str(runs)]) == 0
+    kept = json.loads(runs.read_text())
+    assert set(kept["calls"]) == {"a.json", "b.json"} and "merged.json" in kept["note"]
+    assert "train_curve" not in kept["calls"]["a.json"]["arms"]["hybrid"]["cpt"]
+    assert kept["calls"]["a.json"]["arms"]["hybrid"]["cpt"]["val_curve"] == [[10, 2.52]]
+    assert knobs.merge(knobs.load_calls([runs])) == json.loads(out.read_text())
 
 
 def test_merge_refuses_runs_that_are_not_comparable(tmp_path):
     a = _results(tmp_path, "a.json", {"bf16": _arm(2.0, 1.0, "1")})
     b = _results(tmp_path, "b.json", {"hybrid": _arm(2.0, 1.0, "1")}, cpt_steps=96)
     with pytest.raises(ValueError, match="not comparable"):
-        knobs.merge([a, b])
+        _merge(a, b)
     with pytest.raises(ValueError, match="no 'bf16' arm"):
-        knobs.merge([b])
+        _merge(b)
 
 
 # ------------------------------------------------------------------------------------------ width
@@ -167,7 +207,7 @@ def test_arms_run_end_to_end_at_smoke_size(tmp_path):
                                                             "up_proj", "down_proj"}
         assert res["arms"]["bf16"][stage]["fp8_health_trend"] == []
     assert len(fp8["eval"]["per_problem"]) == fp8["eval"]["n"] == 4
-    m = knobs.merge([out])
+    m = _merge(out)
     assert m["table"]["hybrid+exact+keep=0"]["cpt_gap"] == pytest.approx(
         fp8["cpt"]["final_val_loss"] / res["arms"]["bf16"]["cpt"]["final_val_loss"] - 1)
     assert (tmp_path / "arms.cpt.png").is_file()

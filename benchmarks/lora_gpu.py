@@ -5,7 +5,8 @@
 
 The issue-20 setup: a Qwen2.5-7B-shaped model (all 28 layers, random init) whose base weights are BF16 and
 frozen, PEFT LoRA r=16 (alpha 32) on all seven projections (FP32 adapters, fused AdamW over them only),
-each decoder layer compiled (`parallelize_model(compile=True)`, fp8train's inductor pass), one sequence of
+each decoder layer compiled (`parallelize_model(compile=True)`, fp8train's inductor pass; `--cuda-graphs`: and
+replayed as CUDA graphs, as `train.cuda_graphs` does), one sequence of
 8192 tokens per step, `cache_fp8_weights` around each step, BF16 autocast. `hybrid` converts the base
 projections to FP8Linear first (`convert_to_fp8`), then LoRA wraps them (`apply_lora`), and keeps the
 frozen base in FP8 for the run, its BF16 weights in host memory (`freeze_fp8_weights(offload=True)`), as
@@ -84,7 +85,8 @@ def run_one(recipe: str, a: argparse.Namespace, device: torch.device) -> dict:
     if base != "bf16":
         convert_to_fp8(model, parse_recipe("+".join([base, *knobs])))
     model = apply_lora(model, LoraConfig(rank=a.rank, alpha=2 * a.rank))  # adapters FP32, the base frozen
-    parallelize_model(model, activation_checkpointing=a.activation_checkpointing, compile=not a.no_compile)
+    parallelize_model(model, activation_checkpointing=a.activation_checkpointing, compile=not a.no_compile,
+                      cuda_graphs=a.cuda_graphs)
     optimizer = build_optimizer(model, OptimConfig(lr=1e-4, weight_decay=0.0))  # optim.impl auto: Triton on CUDA
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     g = torch.Generator().manual_seed(0)
@@ -102,6 +104,8 @@ def run_one(recipe: str, a: argparse.Namespace, device: torch.device) -> dict:
         torch.cuda.reset_peak_memory_stats(device)
 
     def train_step(ids: torch.Tensor) -> float:
+        if a.cuda_graphs:  # a new step: the graphs may reuse the last one's outputs (the loss is read already)
+            torch.compiler.cudagraph_mark_step_begin()
         with cache_fp8_weights(model):
             with torch.autocast(device.type, dtype=torch.bfloat16):
                 loss = model(input_ids=ids, labels=ids).loss
@@ -139,7 +143,7 @@ def run_one(recipe: str, a: argparse.Namespace, device: torch.device) -> dict:
            "batch": a.batch, "trainable_params": trainable, "ms_per_step": 1e3 * step_s,
            "tokens_per_s": a.batch * a.seq / step_s,
            "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
-           "loss_first": losses[0], "loss_last": losses[-1], "compiled": not a.no_compile,
+           "loss_first": losses[0], "loss_last": losses[-1], "compiled": not a.no_compile, "cuda_graphs": a.cuda_graphs,
            "frames_compiled": frames.get("ok", 0), "recompiles": len(handler.messages),
            "recompiles_after_warmup": len(handler.messages) - warm,
            "recompile_reasons": [m.splitlines()[-1].strip()[:200] for m in handler.messages[:8]]}
@@ -172,13 +176,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=None, help="timed steps (default 10; --tiny 2)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation)")
     p.add_argument("--no-compile", action="store_true", help="eager layers (the CPU test's default is compiled)")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="replay each compiled layer as CUDA graphs (train.cuda_graphs): no per-kernel launch cost")
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--profile", action="store_true", help="kernel time by category of one more step")
     p.add_argument("--top-kernels", type=int, default=0, metavar="N", help="with --profile: the N slowest kernels too")
     p.add_argument("--trace", type=Path, default=None, metavar="DIR",
                    help="with --profile: that step's Chrome trace per recipe (.json.gz) in DIR")
     p.add_argument("--out", type=Path, default=None, help="append one JSON line per recipe here")
-    return fill_defaults(p.parse_args(argv), dict(seq=(64, 8192), steps=(2, 10)))
+    a = fill_defaults(p.parse_args(argv), dict(seq=(64, 8192), steps=(2, 10)))
+    if a.cuda_graphs and (a.no_compile or a.device != "cuda"):
+        p.error("--cuda-graphs replays the compiled layers on CUDA: not with --no-compile or --device cpu")
+    return a
 
 
 def main(argv=None) -> list[dict]:

@@ -486,6 +486,24 @@ def test_cuda_graphs_replay_the_compiled_fp8_step():
         assert abs(runs["compiled"][key] - runs["cudagraphs"][key]) < 1e-5, (key, runs)
 
 
+def test_cuda_graphs_replay_the_compiled_lora_step_on_a_frozen_fp8_base():
+    """LoRA on a frozen FP8 base (its BF16 weights offloaded), each layer compiled and replayed as CUDA graphs
+    (`benchmarks/lora_gpu.py --cuda-graphs`, as `train.cuda_graphs` with `model.lora`): no graph skipped (the
+    offloaded weight stays out of the graph), no recompilation after warm-up, the losses of plain compiled."""
+    from torch._dynamo.utils import counters
+
+    from _benchmarks import load_benchmark
+
+    bench = load_benchmark("lora_gpu")
+    args = ["--device", "cuda", "--tiny", "--recipes", "hybrid", "--warmup", "2", "--steps", "3"]
+    plain = bench.main(args)[0]
+    graphs = bench.main(args + ["--cuda-graphs"])[0]
+    assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
+    assert graphs["cuda_graphs"] and graphs["recompiles_after_warmup"] == 0
+    for key in ("loss_first", "loss_last"):
+        assert abs(plain[key] - graphs[key]) < 1e-5, (key, plain, graphs)
+
+
 def _deep_gemm_importable() -> bool:
     try:
         import deep_gemm  # noqa: F401

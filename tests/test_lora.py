@@ -209,3 +209,5 @@ def test_lora_gpu_benchmark_script_runs_on_cpu(tmp_path):
         assert np.isfinite(r["loss_last"]) and r["tokens_per_s"] > 0 and r["recompiles"] == 0
     with pytest.raises(SystemExit, match="unknown variant 'hybrid.fast'"):  # modifiers: parse_recipe's
         bench.main(["--device", "cpu", "--tiny", "--no-compile", "--recipes", "hybrid+fast"])
+    with pytest.raises(SystemExit):  # CUDA graphs replay compiled CUDA layers: refused up front on a CPU
+        bench.main(["--device", "cpu", "--tiny", "--cuda-graphs"])

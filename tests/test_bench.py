@@ -158,3 +158,51 @@ def test_trace_writes_the_profiled_steps_chrome_trace(tmp_path, capsys):
     # one whole training step: the FP8 Linears' and the fused MLP's autograd Functions both ways, the optimizer
     assert {"_Fp8LinearFn", "_Fp8LinearFnBackward", "_SwiGLUMLPFn", "_SwiGLUMLPFnBackward",
             "Optimizer.step#AdamW.step"} <= names
+
+
+def _x(cat: str, name: str, ts: float, dur: float, tid: int = 1, **args) -> dict:
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 1, "tid": tid, "args": args}
+
+
+def test_trace_gaps_finds_the_idle_time_and_who_launched_the_work_after_it(tmp_path):
+    """benchmarks/trace_gaps.py on a Kineto trace made by hand: busy time is the union of the kernels (an
+    overlap counts once), each gap is told by the launch of the kernel after it (the CPU ops around the
+    launch, on the launching thread; "host-bound" when the launch began after the GPU went idle)."""
+    import gzip
+    import json
+
+    from _benchmarks import load_benchmark
+
+    tg = load_benchmark("trace_gaps")
+    events = [
+        _x("cpu_op", "ProfilerStep#3", 0, 1000),
+        _x("cpu_op", "layer forward", 0, 300), _x("cpu_op", "aten::mm", 10, 20),
+        _x("cuda_runtime", "cudaLaunchKernel", 12, 5, correlation=1),
+        _x("cpu_op", "aten::add", 200, 10), _x("cuda_runtime", "cudaLaunchKernel", 202, 4, correlation=2),
+        _x("user_annotation", "Optimizer.step", 260, 100, tid=2),
+        _x("cuda_runtime", "cudaGraphLaunch", 270, 5, tid=2, correlation=3),
+        _x("kernel", "gemm_a", 20, 100, tid=7, correlation=1),     # busy 20-120
+        _x("kernel", "gemm_b", 100, 50, tid=8, correlation=9),    # overlaps: busy to 150
+        _x("kernel", "add_k", 210, 30, tid=7, correlation=2),     # gap 150-210, launched at 202 (host-bound)
+        _x("gpu_memcpy", "Memcpy DtoH", 242, 8, tid=7),           # gap 240-242 (2 us)
+        _x("kernel", "adam", 300, 40, tid=7, correlation=3),      # gap 250-300, launched at 270 (host-bound)
+    ]
+    summary, found = tg.gaps(events)
+    assert summary["window_us"] == 320 and summary["busy_us"] == 130 + 30 + 8 + 40
+    assert summary["idle_us"] == 320 - 208 and summary["kernels"] == 4
+    assert summary["host_lead_us"] == 20 and summary["host_tail_us"] == 360 - 340  # ops 0-360, kernels 20-340
+    assert [(g.start_us, g.us, g.before, g.after) for g in found] == [
+        (130, 60, "gemm_b", "add_k"), (220, 2, "add_k", "Memcpy DtoH"), (230, 50, "Memcpy DtoH", "adam")]
+    first, _, last = found
+    assert (first.op, first.context, first.host_bound) == ("aten::add", "layer forward", True)
+    assert (last.op, last.context, last.host_bound) == ("Optimizer.step", "Optimizer.step", True)
+    assert found[1].op == "?"  # a copy with no launch in the trace
+    assert [(c, us, n) for c, us, _, n in tg.by_context(found)] == [("layer forward", 60, 1), ("Optimizer.step", 50, 1),
+                                                                   ("?", 2, 1)]
+    assert [(lo, n) for lo, _, _, n in summary["by_length"]] == [(1.0, 1), (5.0, 0), (50.0, 2), (500.0, 0)]
+    path = tmp_path / "t.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    assert tg.main([str(path), "--top", "2"]) == 0
+    with pytest.raises(ValueError, match="no GPU kernels"):
+        tg.gaps([e for e in events if e["cat"] != "kernel" and e["cat"] != "gpu_memcpy"])

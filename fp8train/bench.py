@@ -26,7 +26,8 @@ CUDA graph replay keeps); `--memory` a breakdown of the peak: FP32 parameters, g
 and what the step saves for backward by kind (FP8, BF16, FP32, the vocabulary-wide logits); not with
 `cudagraphs`, whose replays allocate from the graphs' own pools, outside what the breakdown observes;
 `--top-kernels N` the N kernels with the most time, with their launches and time per launch; `--trace DIR`
-the profiled step's Chrome trace (chrome://tracing, Perfetto) of each variant.
+the profiled step's Chrome trace (chrome://tracing, Perfetto) of each variant, which
+`benchmarks/trace_gaps.py` reads for where the GPU idles.
 """
 
 from __future__ import annotations

@@ -223,7 +223,7 @@ def _reference(spec: str, arms: dict, seed: int) -> str:
 
 def _curve_gaps(curve: list, ref_curve: list) -> list:
     """[[step, relative gap], ...] at the validation steps both curves have."""
-    ref = dict((s, v) for s, v in ref_curve)
+    ref = dict(ref_curve)
     return [[s, fid.rel_gap(v, ref[s])] for s, v in curve if s in ref]
 
 
@@ -278,7 +278,7 @@ def _points(x: float | None) -> str:
 
 
 def markdown(m: dict) -> str:
-    """The merged table, BF16's spread under it, then each FP8 arm's CPT gap at every validation."""
+    """The merged table, BF16's spread under it, then each arm's CPT gap at every validation."""
     nf, table = m["noise_floor"], m["table"]
     lines = ["| arm | against | CPT val loss | CPT gap | SFT val loss | SFT gap | accuracy | vs BF16 (only BF16 / only "
              "arm, p) |", "|---|---|---|---|---|---|---|---|"]
@@ -296,7 +296,7 @@ def markdown(m: dict) -> str:
         lines += ["", "CPT gap at each validation step:", "",
                   "| arm | " + " | ".join(str(s) for s in steps) + " |", "|---|" + "---|" * len(steps)]
         for spec, gaps in along.items():
-            at = dict((s, g) for s, g in gaps)
+            at = dict(gaps)
             lines.append(f"| {spec} | " + " | ".join(fid.fmt_value(at.get(s), True) for s in steps) + " |")
     return "\n".join(lines) + "\n"
 

@@ -145,10 +145,12 @@ def plan(args, shapes: list[Shape], tokenizer, device) -> tuple[dict, float, dic
     else:
         rates = {(s, rc): rate(s, rc, tokenizer, args, device) for s in shapes for rc in ("bf16", "hybrid")}
         f = args.warm_fraction  # the warm share runs once per shape, in BF16; the rest per seed and recipe
-        seconds_per_token_per_param = sum(
-            params[s] / fid.LOOP_EFFICIENCY * (f / rates[(s, "bf16")]
-                                               + (1 - f) * len(args.seeds) * sum(1 / rates[(s, rc)] for rc in ("bf16", "hybrid")))
-            for s in shapes)
+
+        def seconds(s: Shape) -> float:  # per token per parameter
+            arms = sum(1 / rates[(s, rc)] for rc in ("bf16", "hybrid")) * len(args.seeds)
+            return params[s] / fid.LOOP_EFFICIENCY * (f / rates[(s, "bf16")] + (1 - f) * arms)
+
+        seconds_per_token_per_param = sum(seconds(s) for s in shapes)
         r = args.train_s * args.jobs_speedup / seconds_per_token_per_param
     steps = {s: max(args.min_steps, int(r * params[s] / (args.rows * args.seq_len))) for s in shapes}
     return steps, r, {"params": {f"{s.width}x{s.layers}": n for s, n in params.items()},
@@ -214,7 +216,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rows", type=int, default=32, help="rows per optimizer step")
     p.add_argument("--micro-batch", type=int, default=16)
     p.add_argument("--warm-fraction", type=float, default=0.0,
-                   help="share of each shape's tokens pretrained once in BF16, then continued by every arm (0: from scratch)")
+                   help="share of each shape's tokens pretrained once in BF16, then continued by every arm "
+                        "(0: from scratch)")
     p.add_argument("--min-steps", type=int, default=20)
     p.add_argument("--eval-batches", type=int, default=16)
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
@@ -249,8 +252,8 @@ def main(argv=None) -> int:
     warm = {s: max(args.min_steps, round(args.warm_fraction * steps[s])) for s in shapes} if args.warm_fraction else {}
     warm_runs = [Run(s, "bf16", 0, warm[s], args.micro_batch, warm=True) for s in shapes if warm.get(s)]
     start = {w.shape: str(Path(args.work) / "runs" / w.name / "final") for w in warm_runs}
-    runs = [Run(s, rc, seed, max(args.min_steps, steps[s] - warm.get(s, 0)), args.micro_batch, start.get(s)) for s in shapes
-            for seed in args.seeds for rc in ("bf16", "hybrid")]
+    runs = [Run(s, rc, seed, max(args.min_steps, steps[s] - warm.get(s, 0)), args.micro_batch, start.get(s))
+            for s in shapes for seed in args.seeds for rc in ("bf16", "hybrid")]
     print(f"[width] tokens/param {r:.3f}; steps {dict((f'{s.width}x{s.layers}', n) for s, n in steps.items())}"
           + (f", the first {args.warm_fraction:.0%} shared in BF16" if warm_runs else "") + f"; {info}", flush=True)
     res = {"config": {k: (str(v) if k == "shapes" else v) for k, v in vars(args).items()},

@@ -99,7 +99,8 @@ def gaps(events: list[dict], min_us: float = 1.0) -> tuple[dict, list[Gap]]:
                 and "correlation" in e.get("args", {})}
     threads = {}
     for e in events:
-        if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation") and not e["name"].startswith("ProfilerStep"):
+        if (e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation")
+                and not e["name"].startswith("ProfilerStep")):
             threads.setdefault((e.get("pid"), e.get("tid")), []).append(e)
     threads = {k: _Thread(v) for k, v in threads.items()}
 
@@ -149,13 +150,15 @@ def report(name: str, summary: dict, found: list[Gap], top: int) -> list[str]:
              f"window {s['window_us'] / 1e3:.1f} ms (first kernel start to last kernel end), GPU busy "
              f"{s['busy_us'] / 1e3:.1f} ms, idle {s['idle_us'] / 1e3:.1f} ms in {s['gaps']} gaps ({host / 1e3:.1f} ms "
              f"of it host-bound); {s['kernels']} kernels. Outside the window the host works "
-             f"{s['host_lead_us'] / 1e3:.1f} ms before the first kernel and {s['host_tail_us'] / 1e3:.1f} ms after the last.", "",
+             f"{s['host_lead_us'] / 1e3:.1f} ms before the first kernel and {s['host_tail_us'] / 1e3:.1f} ms after "
+             "the last.", "",
              "| gap length | idle ms | gaps |", "|---|---|---|"]
-    lines += [f"| {lo:g}-{hi:g} us | {us / 1e3:.2f} | {n} |".replace("-inf us", "+ us") for lo, hi, us, n in s["by_length"]]
+    lines += [f"| {lo:g}-{hi:g} us | {us / 1e3:.2f} | {n} |".replace("-inf us", "+ us")
+              for lo, hi, us, n in s["by_length"]]
     lines += ["", "| idle by outermost host op | ms | host-bound ms | gaps |", "|---|---|---|---|"]
     lines += [f"| `{c[:90]}` | {us / 1e3:.2f} | {hb / 1e3:.2f} | {n} |" for c, us, hb, n in by_context(found)[:top]]
-    lines += ["", f"The {top} largest gaps:", "", "| at ms | us | host-bound | launched by | kernel after | kernel before |",
-              "|---|---|---|---|---|---|"]
+    lines += ["", f"The {top} largest gaps:", "",
+              "| at ms | us | host-bound | launched by | kernel after | kernel before |", "|---|---|---|---|---|---|"]
     for g in sorted(found, key=lambda g: -g.us)[:top]:
         lines.append(f"| {g.start_us / 1e3:.2f} | {g.us:.0f} | {'yes' if g.host_bound else 'no'} | `{g.op[:60]}` "
                      f"| `{g.after[:50]}` | `{g.before[:50]}` |")

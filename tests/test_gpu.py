@@ -500,8 +500,10 @@ def test_cuda_graphs_replay_the_compiled_lora_step_on_a_frozen_fp8_base():
     graphs = bench.main(args + ["--cuda-graphs"])[0]
     assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
     assert graphs["cuda_graphs"] and graphs["recompiles_after_warmup"] == 0
+    # cuBLAS may pick other algorithms while capturing (rounding, not arithmetic, differs); a stale or skipped
+    # replay would be off by far more
     for key in ("loss_first", "loss_last"):
-        assert abs(plain[key] - graphs[key]) < 1e-5, (key, plain, graphs)
+        assert abs(plain[key] - graphs[key]) < 1e-4, (key, plain, graphs)
 
 
 def _deep_gemm_importable() -> bool:

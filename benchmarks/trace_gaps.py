@@ -5,7 +5,8 @@
 The traces are what `fp8train bench --trace DIR` and `benchmarks/lora_gpu.py --trace DIR` write (torch.profiler,
 Kineto's format). The GPU is busy while any kernel, copy or memset runs; an idle gap is time between two
 busy spans inside the step's window (first kernel start to last kernel end). "median step - kernels" in the
-profile tables is this idle time plus the host time before the first kernel and after the last.
+profile tables is this idle time plus the host's time before the first kernel and after the last (both
+printed), plus whatever separates the profiled step from the timed steps' median.
 
 Each gap is told by the kernel that ends it: the host op that launched it (through the launch's correlation id:
 the innermost CPU op around the launch call, and the outermost below the profiler's step marker) and whether
@@ -97,12 +98,12 @@ def gaps(events: list[dict], min_us: float = 1.0) -> tuple[dict, list[Gap]]:
     launches = {e["args"]["correlation"]: e for e in events
                 if e.get("ph") == "X" and e.get("cat") in ("cuda_runtime", "cuda_driver") and e.get("name") in _LAUNCHES
                 and "correlation" in e.get("args", {})}
-    threads = {}
+    ops_by_thread = defaultdict(list)
     for e in events:
         if (e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation")
                 and not e["name"].startswith("ProfilerStep")):
-            threads.setdefault((e.get("pid"), e.get("tid")), []).append(e)
-    threads = {k: _Thread(v) for k, v in threads.items()}
+            ops_by_thread[(e.get("pid"), e.get("tid"))].append(e)
+    threads = {k: _Thread(v) for k, v in ops_by_thread.items()}
 
     def around(launch: dict) -> tuple[str, str]:
         thread = threads.get((launch.get("pid"), launch.get("tid")))
@@ -123,6 +124,7 @@ def gaps(events: list[dict], min_us: float = 1.0) -> tuple[dict, list[Gap]]:
     edges = (min_us, *_BUCKETS_US, float("inf"))
     host = [e for thread in threads.values() for e in thread.ops]
     summary = {"window_us": window, "busy_us": busy, "idle_us": window - busy, "gaps": len(found),
+               "host_bound_us": sum(g.us for g in found if g.host_bound),
                # the host's work before the first kernel and after the last (outside the window)
                "host_lead_us": max(0.0, t0 - min(e["ts"] for e in host)) if host else 0.0,
                "host_tail_us": max(0.0, max(e["ts"] + e["dur"] for e in host) - busy_until) if host else 0.0,
@@ -145,10 +147,9 @@ def by_context(found: list[Gap]) -> list[tuple[str, float, float, int]]:
 
 def report(name: str, summary: dict, found: list[Gap], top: int) -> list[str]:
     s = summary
-    host = sum(g.us for g in found if g.host_bound)
     lines = [f"## {name}", "",
              f"window {s['window_us'] / 1e3:.1f} ms (first kernel start to last kernel end), GPU busy "
-             f"{s['busy_us'] / 1e3:.1f} ms, idle {s['idle_us'] / 1e3:.1f} ms in {s['gaps']} gaps ({host / 1e3:.1f} ms "
+             f"{s['busy_us'] / 1e3:.1f} ms, idle {s['idle_us'] / 1e3:.1f} ms in {s['gaps']} gaps ({s['host_bound_us'] / 1e3:.1f} ms "
              f"of it host-bound); {s['kernels']} kernels. Outside the window the host works "
              f"{s['host_lead_us'] / 1e3:.1f} ms before the first kernel and {s['host_tail_us'] / 1e3:.1f} ms after "
              "the last.", "",

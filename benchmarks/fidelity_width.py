@@ -174,7 +174,11 @@ def gaps(runs: list[dict]) -> dict:
     return dict(sorted(out.items(), key=lambda kv: kv[1]["width"]))
 
 
-def plot(summary: dict, png: Path, title: str) -> None:
+def plot(summary: dict, png: Path, title: str, target: float = 0.25) -> None:
+    """Left: the gap of each seed against width inside BF16's seed-to-seed spread. Right: the same gaps on
+    their own scale, beside the CPT target (`target`, %): the paired gap can be far inside the spread."""
+    import textwrap
+
     import matplotlib
 
     matplotlib.use("Agg")
@@ -183,18 +187,25 @@ def plot(summary: dict, png: Path, title: str) -> None:
     rows = [v for v in summary.values() if v["gap_mean"] is not None]
     w = [v["width"] for v in rows]
     mean = [100 * v["gap_mean"] for v in rows]
-    err = [[100 * (v["gap_mean"] - v["gap_min"]) for v in rows], [100 * (v["gap_max"] - v["gap_mean"]) for v in rows]]
     spread = [100 * (v["bf16_seed_spread"] or 0) for v in rows]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.fill_between(w, [-s for s in spread], spread, color="0.85", label="BF16 seed-to-seed spread")
-    ax.errorbar(w, mean, yerr=err, marker="o", capsize=4, label="FP8 hybrid - BF16 (mean, range over seeds)")
-    ax.axhline(0, color="0.4", lw=0.8)
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(w, [str(x) for x in w])
-    ax.set_xlabel("model width (hidden size)")
-    ax.set_ylabel("final validation loss gap (%)")
-    ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=8)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, zoom in zip(axes, (False, True)):
+        if not zoom:
+            ax.fill_between(w, [-s for s in spread], spread, color="0.85", label="BF16 seed-to-seed spread")
+        for v in rows:
+            ax.scatter([v["width"]] * len(v["gaps"]), [100 * g for g in v["gaps"]], color="C0", s=14, zorder=3)
+        ax.plot(w, mean, marker="o", color="C0", label="FP8 hybrid - BF16 of the same seed (mean; dots: seeds)")
+        if zoom:
+            ax.axhline(target, color="C3", ls="--", lw=1, label=f"CPT target {target}%")
+            ax.set_ylim(min(-0.05, min(mean) - 0.05), max(target, max(mean)) * 1.25)
+        ax.axhline(0, color="0.4", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(w, [str(x) for x in w])
+        ax.set_xlabel("model width (hidden size)")
+        ax.set_ylabel("final validation loss gap (%)")
+        ax.set_title("the paired gap alone" if zoom else "against BF16's seed spread", fontsize=9)
+        ax.legend(fontsize=7, loc="upper left")
+    fig.suptitle("\n".join(textwrap.wrap(title, 110)), fontsize=9)
     fig.tight_layout()
     fig.savefig(png, dpi=120)
     plt.close(fig)
@@ -278,7 +289,8 @@ def main(argv=None) -> int:
     if args.plot:
         how = (f"continued from a shared BF16 checkpoint ({args.warm_fraction:.0%} of the tokens)" if warm_runs
                else "from scratch")
-        plot(res["gaps"], Path(args.plot), f"FP8 hybrid vs BF16 {how}, {r:.2f} tokens per parameter")
+        plot(res["gaps"], Path(args.plot), f"FP8 hybrid vs BF16 {how}, {r:.2f} tokens per parameter; "
+                                                f"{res['device_name']}")
     return 0
 
 

@@ -56,7 +56,7 @@ def pieces() -> list[tuple[str, float]]:
         ("Triton activation kernel (wrapper)", _per_call_us(
             lambda: _triton_quant.quantize_tiles_and_transpose(x, Fp8Format.E4M3, Fp8Format.E4M3, True, 512))),
         ("quantize_input", _per_call_us(lambda: o.quantize_input(x, plan, True))),
-        ("quantize_input custom op", _per_call_us(lambda: torch.ops.fp8train.quantize_input(x, plan.key, True))),
+        ("quantize_input custom op", _per_call_us(lambda: torch.ops.fp8train.quantize_input(x, plan.key, True, True))),
         ("F.scaled_mm blockwise", _per_call_us(lambda: F.scaled_mm(
             xr, wq.t(), xr_s.t(), ST.BlockWise1x128, wq_s.t(), ST.BlockWise128x128, output_dtype=torch.bfloat16))),
         ("gemm", _per_call_us(lambda: gemm(xr, xr_s, plan.x, wq, wq_s, plan.w, torch.bfloat16, True))),

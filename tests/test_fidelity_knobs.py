@@ -156,7 +156,8 @@ def test_width_sweep_continues_every_arm_from_the_shapes_shared_bf16_checkpoint(
     rounding), seeds see other batches, and all start below where the shared pretraining started."""
     out = tmp_path / "width.json"
     assert width.main(["--smoke", "--warm-fraction", "0.7", "--tokens-per-param", "0.5", "--device", "cpu",
-                       "--out", str(out), "--work", str(tmp_path / "work")]) == 0
+                       "--out", str(out), "--work", str(tmp_path / "work"), "--plot", str(tmp_path / "w.png")]) == 0
+    assert (tmp_path / "w.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     res = json.loads(out.read_text())
     warm = {r["run"]["name"]: r for r in res["warm"]}
     assert sorted(warm) == ["w128x1_warm", "w256x2_warm"]

@@ -506,6 +506,15 @@ def test_cuda_graphs_replay_the_compiled_lora_step_on_a_frozen_fp8_base():
         assert abs(plain[key] - graphs[key]) < 1e-4, (key, plain, graphs)
 
 
+
+def test_host_overhead_benchmark_calls_the_ops_as_they_are_declared():
+    """`benchmarks/host_overhead.py` calls the FP8 custom ops by hand (to time their host cost); a change of an
+    op's signature broke it silently once. Every piece runs and takes some host time."""
+    from _benchmarks import load_benchmark
+
+    rows = load_benchmark("host_overhead").pieces()
+    assert len(rows) == 10 and all(us > 0 for _, us in rows), rows
+
 def _deep_gemm_importable() -> bool:
     try:
         import deep_gemm  # noqa: F401

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from fp8train import cache_fp8_weights, convert_to_fp8, freeze_fp8_weights, parse_recipe
-from fp8train.bench import categorize_profile, profile_table, top_kernel_times, top_kernels_table, write_trace
+from fp8train.bench import categorize_profile, kernel_launches, profile_table, top_kernel_times, top_kernels_table, write_trace
 from fp8train.fp8.recipe import MODIFIERS
 from fp8train.train.lora import LoraConfig, apply_lora
 from fp8train.train.model import PRESETS, parallelize_model
@@ -114,7 +114,7 @@ def run_one(recipe: str, a: argparse.Namespace, device: torch.device) -> dict:
         optimizer.zero_grad(set_to_none=True)
         return float(loss.detach())
 
-    seconds, losses, warm, profile_ms, top, trace = [], [], 0, None, None, None
+    seconds, losses, warm, profile_ms, launches, top, trace = [], [], 0, None, None, None, None
     try:
         for step in range(a.warmup + a.steps):
             _sync(device)
@@ -130,7 +130,7 @@ def run_one(recipe: str, a: argparse.Namespace, device: torch.device) -> dict:
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 train_step(batches[0])
                 _sync(device)
-            profile_ms = categorize_profile(prof)
+            profile_ms, launches = categorize_profile(prof), kernel_launches(prof)
             top = top_kernel_times(prof, a.top_kernels) if a.top_kernels else None
             trace = write_trace(prof, str(a.trace), f"lora-{recipe}") if a.trace else None
     finally:
@@ -148,7 +148,7 @@ def run_one(recipe: str, a: argparse.Namespace, device: torch.device) -> dict:
            "recompiles_after_warmup": len(handler.messages) - warm,
            "recompile_reasons": [m.splitlines()[-1].strip()[:200] for m in handler.messages[:8]]}
     if profile_ms is not None:
-        out["profile_ms"] = profile_ms
+        out["profile_ms"], out["kernel_launches"] = profile_ms, launches
     if top is not None:
         out["top_kernels_ms"] = top
     if trace is not None:
@@ -207,7 +207,7 @@ def main(argv=None) -> list[dict]:
         append_jsonl(a.out, r)
     profiled = [r for r in results if "profile_ms" in r]
     if profiled:
-        print("\n".join(profile_table(["recipe"], [([r["recipe"]], r["profile_ms"], r["ms_per_step"])
+        print("\n".join(profile_table(["recipe"], [([r["recipe"]], r["profile_ms"], r["kernel_launches"], r["ms_per_step"])
                                                    for r in profiled])))
         for r in (r for r in profiled if r.get("top_kernels_ms")):
             print("\n".join(top_kernels_table(r["recipe"], r["top_kernels_ms"])))

@@ -47,7 +47,7 @@ import torch
 
 from .fp8.recipe import MODIFIERS, parse_recipe
 
-__all__ = ["BenchCase", "run_case", "parse_variant", "categorize_profile", "profile_table", "top_kernel_times",
+__all__ = ["BenchCase", "run_case", "parse_variant", "categorize_profile", "kernel_launches", "profile_table", "top_kernel_times",
            "top_kernels_table", "write_trace", "memory_breakdown", "markdown_table", "main"]
 
 VARIANTS = ("bf16", "hybrid", "tensorwise", "torchao-tensorwise", "torchao-rowwise")
@@ -114,17 +114,19 @@ def categorize_profile(prof) -> dict[str, float]:
     """CUDA kernel time (ms) of a torch.profiler run by category (`_kernel_events`). FP8 GEMMs are told by
     the kernel's name, not by the op that launched it: a CUDA graph replay records kernels without their ops."""
     out: dict[str, float] = defaultdict(float, {"fp8 gemm": 0.0, "bf16/fp32 gemm": 0.0})
-    launches = 0
-    for key, t, calls in _kernel_events(prof):
+    for key, t, _ in _kernel_events(prof):
         name = key.lower()
         cat = _kernel_category(name)
         if cat == "gemm":
             cat = "fp8 gemm" if re.search(_FP8_GEMM, name) else "bf16/fp32 gemm"
         out[cat] += t
-        launches += calls
     out["total"] = sum(out.values())
-    out["launches"] = launches  # kernel launches in the step (a count, not ms)
     return dict(out)
+
+
+def kernel_launches(prof) -> int:
+    """CUDA kernel launches in a torch.profiler run (the kernels `categorize_profile` times)."""
+    return sum(calls for _, _, calls in _kernel_events(prof))
 
 
 def _convert_torchao(model, recipe: str) -> None:
@@ -140,16 +142,17 @@ def top_kernel_times(prof, n: int) -> list[tuple[str, str, float, int]]:
     return sorted(rows, key=lambda r: -r[2])[:n]
 
 
-def profile_table(label_columns: list[str], rows: list[tuple[list, dict[str, float], float | None]]) -> list[str]:
+def profile_table(label_columns: list[str],
+                  rows: list[tuple[list, dict[str, float], int | None, float | None]]) -> list[str]:
     """`categorize_profile` results as a markdown table under "CUDA kernel time of one step, ms:" (lines, a
     blank one first): each row is its labels (one per label column), its categories' ms, its kernel launches
-    and, where the row's timed steps' median (ms) is given, that minus the profiled step's kernel time (the
-    GPU's idle time in a step: launch gaps, host waits)."""
+    (`kernel_launches`) and, where the row's timed steps' median (ms) is given, that minus the profiled step's
+    kernel time (the GPU's idle time in a step: launch gaps, host waits)."""
     cols = [*label_columns, *_PROFILE_COLUMNS, "kernel launches", "median step - kernels"]
 
-    def cells(labels: list, ms: dict, step_ms: float | None) -> list[str]:
+    def cells(labels: list, ms: dict, launches: int | None, step_ms: float | None) -> list[str]:
         return [*map(str, labels), *(f"{ms.get(c, 0.0):.1f}" for c in _PROFILE_COLUMNS),
-                f"{ms['launches']:.0f}" if "launches" in ms else "-",
+                str(launches) if launches is not None else "-",
                 f"{step_ms - ms['total']:.1f}" if step_ms is not None else "-"]
 
     return (["", "CUDA kernel time of one step, ms:", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
@@ -301,7 +304,7 @@ def run_case(case: BenchCase, *, steps: int = 5, warmup: int = 2, device: str = 
         with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             trainer.train_step(batches)
             sync()
-        res["profile_ms"] = categorize_profile(prof)
+        res["profile_ms"], res["kernel_launches"] = categorize_profile(prof), kernel_launches(prof)
         if top_kernels:
             res["top_kernels_ms"] = top_kernel_times(prof, top_kernels)
         if trace_dir:
@@ -383,7 +386,7 @@ def markdown_table(results: list[dict]) -> str:
     if profiled:
         lines += profile_table(["model", "seq", "mode", "variant"],
                                [([f"{r['model']}/{r['layers']}", r["seq"], r["mode"], _label(r)], r["profile_ms"],
-                                 r["step_ms"]) for r in profiled])
+                                 r.get("kernel_launches"), r["step_ms"]) for r in profiled])
     lines += _rounds_table(results)
     for r in (r for r in results if "memory_gib" in r):
         lines += ["", f"Peak memory by kind, GiB: {r['model']}/{r['layers']} {r['seq']} {r['mode']} {_label(r)}", "",

@@ -7,7 +7,8 @@ from types import SimpleNamespace
 import pytest
 from torch.autograd import DeviceType
 
-from fp8train.bench import categorize_profile, main, markdown_table, top_kernel_times, top_kernels_table
+from fp8train.bench import (categorize_profile, kernel_launches, main, markdown_table, top_kernel_times,
+                            top_kernels_table)
 
 
 def test_bench_runs_every_variant_in_one_harness(capsys):
@@ -112,8 +113,9 @@ def test_profile_counts_kernels_once_and_splits_fp8_gemms_by_kernel_name():
     assert p["norms and elementwise"] == 0.25 and p["total"] == pytest.approx(11.75)
     table = markdown_table([{"model": "m", "layers": 1, "seq": 8, "variant": "bf16", "mode": "eager", "step_ms": 2.0,
                              "tokens_per_s": 4.0, "tflops": 1.0, "mfu_bf16_peak": 0.1, "peak_mem_gib": 1.0,
-                             "loss_first": 1.0, "loss_last": 0.5, "profile_ms": p}])
-    assert p["launches"] == 14  # the _act_kernel's 8 launches counted, CPU ops and the annotation not
+                             "loss_first": 1.0, "loss_last": 0.5, "profile_ms": p,
+                             "kernel_launches": kernel_launches(Prof())}])
+    assert kernel_launches(Prof()) == 14  # the _act_kernel's 8 launches counted, CPU ops and the annotation not
     assert "| 3.0 | 5.0 | 1.0 | 2.0 | 0.2 | 0.5 | 0.0 | 11.8 | 14 | -9.8 |" in table  # step 2.0 - kernels 11.75
     assert "| bf16 | 2.0 | 4 |" in table  # a result without the steps' range (older JSON lines)
     ranged = markdown_table([{"model": "m", "layers": 1, "seq": 8, "variant": "bf16", "mode": "eager", "step_ms": 2.0,

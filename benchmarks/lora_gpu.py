@@ -34,7 +34,8 @@ from pathlib import Path
 import torch
 
 from fp8train import cache_fp8_weights, convert_to_fp8, freeze_fp8_weights, parse_recipe
-from fp8train.bench import categorize_profile, kernel_launches, profile_table, top_kernel_times, top_kernels_table, write_trace
+from fp8train.bench import (categorize_profile, kernel_launches, profile_table, top_kernel_times, top_kernels_table,
+                            write_trace)
 from fp8train.fp8.recipe import MODIFIERS
 from fp8train.train.lora import LoraConfig, apply_lora
 from fp8train.train.model import PRESETS, parallelize_model
@@ -207,8 +208,8 @@ def main(argv=None) -> list[dict]:
         append_jsonl(a.out, r)
     profiled = [r for r in results if "profile_ms" in r]
     if profiled:
-        print("\n".join(profile_table(["recipe"], [([r["recipe"]], r["profile_ms"], r["kernel_launches"], r["ms_per_step"])
-                                                   for r in profiled])))
+        rows = [([r["recipe"]], r["profile_ms"], r["kernel_launches"], r["ms_per_step"]) for r in profiled]
+        print("\n".join(profile_table(["recipe"], rows)))
         for r in (r for r in profiled if r.get("top_kernels_ms")):
             print("\n".join(top_kernels_table(r["recipe"], r["top_kernels_ms"])))
     by = {r["recipe"]: r for r in results}

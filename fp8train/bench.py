@@ -47,8 +47,8 @@ import torch
 
 from .fp8.recipe import MODIFIERS, parse_recipe
 
-__all__ = ["BenchCase", "run_case", "parse_variant", "categorize_profile", "kernel_launches", "profile_table", "top_kernel_times",
-           "top_kernels_table", "write_trace", "memory_breakdown", "markdown_table", "main"]
+__all__ = ["BenchCase", "run_case", "parse_variant", "categorize_profile", "kernel_launches", "profile_table",
+           "top_kernel_times", "top_kernels_table", "write_trace", "memory_breakdown", "markdown_table", "main"]
 
 VARIANTS = ("bf16", "hybrid", "tensorwise", "torchao-tensorwise", "torchao-rowwise")
 MODES = ("eager", "compiled", "cudagraphs")

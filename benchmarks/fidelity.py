@@ -367,6 +367,24 @@ def train_run(cfg: TrainConfig, model, tokenizer, train, val, tf32: bool = False
     return summary, model
 
 
+def export_val_loss(cfg: TrainConfig, export_dir: Path, tokenizer, val) -> float | None:
+    """Validation loss of a run's `hf` export (BF16 weights, no FP8 Linear): what a user serving that export
+    gets. The run's own validation rows and batches, through the trainer's own `evaluate` (BF16 autocast); only
+    the model differs, loaded from the export instead of the trained (FP32, possibly FP8-converted) one."""
+    run_dir, t = Path(cfg.run_dir), cfg.train
+    mb = min(t.micro_batch, len(val))  # the validation rows stand in for the training set, which needs a batch
+    cfg = run_config(run_dir.parent.parent, cfg.stage, f"{run_dir.name}_export_eval", seed=cfg.seed, device=cfg.device,
+                     data=cfg.data, optim=cfg.optim, steps=t.steps, batch=mb, micro_batch=mb, eval_batches=t.eval_batches,
+                     model=export_dir, recipe="bf16")
+    shutil.rmtree(cfg.run_dir, ignore_errors=True)
+    trainer = _Trainer(cfg, tokenizer=tokenizer, train_data=val, val_data=val, progress=False)
+    loss = trainer.evaluate()
+    del trainer
+    gc.collect()
+    shutil.rmtree(cfg.run_dir, ignore_errors=True)
+    return loss
+
+
 def summarize_run(run_dir: Path, wall_s: float, skipped: int = 0) -> dict:
     """Curves and final numbers of a run from its metrics.jsonl and fp8_health.jsonl."""
     recs = read_jsonl(run_dir / "metrics.jsonl")

@@ -15,7 +15,10 @@ batches (the data split is fixed by --seed) and differs only in what its spec na
 
 Per arm: CPT (`--cpt-steps` of 32 x 2,048 tokens, warmup-stable-decay), SFT of that result on GSM8K
 (`--sft-steps` of 16 x 2,048), greedy exact-match accuracy on the `--holdout` problems, and the FP8 health
-of every check (underflow / saturation per layer type and operand over time). The step counts are fixed, not
+of every check (underflow / saturation per layer type and operand over time). Each stage's validation loss is
+measured twice: by the model as trained (an FP8 arm's forward in FP8) and from its BF16 `hf` export (what a user
+serving that export gets: the same weights, every GEMM in BF16), so the gap splits into what FP8 training did
+to the weights and what the FP8 forward adds. The step counts are fixed, not
 sized from the clock, so that arms run in different invocations (or device calls) are comparable; an arm
 that would not fit the `--budget-s` left is skipped and recorded. `--merge` joins the results of several
 invocations (or a runs file that keeps them, `--runs`) into one table: each arm's gaps to the BF16 arm of
@@ -151,10 +154,14 @@ class _Runner:
         out: dict = {"arm": arm.describe()}
         cfg = self.config(arm, "cpt", self.cpt_data, fid.cpt_schedule(s.cpt_lr), a.cpt_steps, s.cpt_batch, self.base_dir)
         out["cpt"], model = fid.train_run(cfg, copy.deepcopy(self.base), self.tokenizer, self.cpt_train, self.cpt_val)
+        cpt_export = runs / f"cpt_{arm.slug}" / "final"
+        out["cpt"]["export_val_loss"] = fid.export_val_loss(cfg, cpt_export, self.tokenizer, self.cpt_val)
         # the config names the CPT run's BF16 export: the FP32 model handed over in memory is not on disk
-        cfg = self.config(arm, "sft", self.sft_data, fid.sft_schedule(s.sft_lr), a.sft_steps, s.sft_batch, runs / f"cpt_{arm.slug}" / "final")
+        cfg = self.config(arm, "sft", self.sft_data, fid.sft_schedule(s.sft_lr), a.sft_steps, s.sft_batch, cpt_export)
         out["sft"], _ = fid.train_run(cfg, model, self.tokenizer, self.sft_train, self.sft_val)
         del model
+        out["sft"]["export_val_loss"] = fid.export_val_loss(cfg, runs / f"sft_{arm.slug}" / "final", self.tokenizer,
+                                                            self.sft_val)
         t0 = time.perf_counter()
         outs = fid.generate_greedy(runs / f"sft_{arm.slug}" / "final", self.tokenizer, self.prompts,
                                    s.max_new_tokens, s.eval_batch, self.device)
@@ -248,6 +255,8 @@ def merge(calls: dict[str, dict]) -> dict:
             row[f"{st}_val_loss"] = r[st]["final_val_loss"]
             row[f"{st}_gap"] = fid.rel_gap(r[st]["final_val_loss"], ref[st]["final_val_loss"])
             row[f"{st}_val_gaps"] = _curve_gaps(r[st].get("val_curve", []), ref[st].get("val_curve", []))
+            row[f"{st}_export_val_loss"] = r[st].get("export_val_loss")  # runs before 2026-12-06 lack it
+            row[f"{st}_export_gap"] = fid.rel_gap(r[st].get("export_val_loss"), ref[st].get("export_val_loss"))
         row["accuracy"] = r["eval"]["accuracy"]
         row["accuracy_diff_points"] = 100 * (r["eval"]["accuracy"] - ref["eval"]["accuracy"])
         row["paired"] = fid.paired([c == "1" for c in ref["eval"]["per_problem"]],
@@ -290,6 +299,17 @@ def markdown(m: dict) -> str:
                      f"| {p['only_bf16']} / {p['only_fp8']}, p = {p['mcnemar_p']:.2f} |")
     lines += ["", f"BF16 seed-to-seed spread (noise floor): CPT {fid.fmt_value(nf['cpt'], True)}, SFT "
               f"{fid.fmt_value(nf['sft'], True)}, accuracy {_points(m['accuracy_noise_points'])}."]
+    served = {spec: r for spec, r in table.items() if r.get("cpt_export_gap") is not None}
+    if served:
+        lines += ["", "The same arms served from their BF16 `hf` export (each stage's final model in BF16, no FP8 GEMM; "
+                  "the gaps above are of the model as trained, FP8 forward included):", "",
+                  "| arm | against | CPT export val loss | CPT gap, export | as trained | SFT export val loss | "
+                  "SFT gap, export | as trained |", "|---|---|---|---|---|---|---|---|"]
+        for spec, r in served.items():
+            lines.append(f"| {spec} | {r['reference']} | {fid.fmt_value(r['cpt_export_val_loss'])} | "
+                         f"{fid.fmt_value(r['cpt_export_gap'], True)} | {fid.fmt_value(r['cpt_gap'], True)} | "
+                         f"{fid.fmt_value(r['sft_export_val_loss'])} | {fid.fmt_value(r['sft_export_gap'], True)} | "
+                         f"{fid.fmt_value(r['sft_gap'], True)} |")
     along = {spec: r["cpt_val_gaps"] for spec, r in table.items() if spec != REFERENCE and r["cpt_val_gaps"]}
     if along:
         steps = sorted({s for gaps in along.values() for s, _ in gaps})

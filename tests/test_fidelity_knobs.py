@@ -120,6 +120,21 @@ def test_merge_reads_back_the_runs_file_it_writes(tmp_path):
     assert knobs.merge(knobs.load_calls([runs])) == json.loads(out.read_text())
 
 
+def test_merge_measures_the_exports_apart_from_the_models_as_trained(tmp_path):
+    """Each stage's validation loss from the BF16 export is compared with the reference's export, beside the gap
+    of the model as trained; runs that predate the export's loss merge with None there and no export table."""
+    a, h = _arm(2.0, 1.0, "1100"), _arm(2.02, 1.01, "1000")
+    for arm, cpt, sft in ((a, 2.001, 1.0005), (h, 2.005, 1.003)):
+        arm["cpt"]["export_val_loss"], arm["sft"]["export_val_loss"] = cpt, sft
+    m = _merge(_results(tmp_path, "a.json", {"bf16": a, "hybrid": h}))
+    row = m["table"]["hybrid"]
+    assert row["cpt_export_gap"] == pytest.approx(2.005 / 2.001 - 1) and row["cpt_gap"] == pytest.approx(0.01)
+    assert row["sft_export_gap"] == pytest.approx(1.003 / 1.0005 - 1)
+    assert f"| hybrid | bf16 | 2.0050 | {100 * (2.005 / 2.001 - 1):+.3f}% | +1.000% | 1.0030 |" in knobs.markdown(m)
+    old = _merge(_results(tmp_path, "b.json", {"bf16": _arm(2.0, 1.0, "1"), "hybrid": _arm(2.02, 1.01, "1")}))
+    assert old["table"]["hybrid"]["cpt_export_gap"] is None and "hf` export" not in knobs.markdown(old)
+
+
 def test_merge_refuses_runs_that_are_not_comparable(tmp_path):
     a = _results(tmp_path, "a.json", {"bf16": _arm(2.0, 1.0, "1")})
     b = _results(tmp_path, "b.json", {"hybrid": _arm(2.0, 1.0, "1")}, cpt_steps=96)
@@ -232,6 +247,13 @@ def test_arms_run_end_to_end_at_smoke_size(tmp_path):
                                                             "up_proj", "down_proj"}
         assert res["arms"]["bf16"][stage]["fp8_health_trend"] == []
     assert len(fp8["eval"]["per_problem"]) == fp8["eval"]["n"] == 4
+    # the BF16 arm's export differs from its FP32 master weights by their rounding to BF16 only; the FP8 arm's
+    # export loses the FP8 forward: another loss, near the BF16 arm's
+    for stage in ("cpt", "sft"):
+        b = res["arms"]["bf16"][stage]
+        assert b["export_val_loss"] == pytest.approx(b["final_val_loss"], rel=2e-3)
+        assert fp8[stage]["export_val_loss"] != fp8[stage]["final_val_loss"]
+        assert fp8[stage]["export_val_loss"] == pytest.approx(b["export_val_loss"], rel=0.05)
     m = _merge(out)
     assert m["table"]["hybrid+exact+keep=0"]["cpt_gap"] == pytest.approx(
         fp8["cpt"]["final_val_loss"] / res["arms"]["bf16"]["cpt"]["final_val_loss"] - 1)

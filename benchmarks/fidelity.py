@@ -8,7 +8,9 @@ One invocation, sized to a wall-clock budget (the device tool's 9.5-minute limit
              packages' sources and docs, held-out validation documents, warmup-stable-decay LR (cosine to
              10% over the last 15%), AdamW (0.9, 0.95), weight decay 0.1, clip 1.0.
 3. SFT       each CPT result on GSM8K train, the last `--holdout` problems never trained on; cosine LR with
-             5% warmup, loss on assistant tokens only, each arm in its own precision.
+             5% warmup, loss on assistant tokens only, each arm in its own precision. After CPT and after
+             SFT each arm's validation loss is also taken from its BF16 `hf` export (every GEMM in BF16: the
+             gap without the FP8 forward's own rounding).
 4. eval      exact match of the final number on the held-out problems, greedy, both exported models (BF16).
 5. ablation  with what is left: short CPT runs where one operand is quantized more coarsely than hybrid
              (per-tensor weights, per-tensor activations, E5M2 gradients), and a one-batch probe of the
@@ -352,8 +354,9 @@ def holdout_prompts(sft_data: SftDataConfig, tokenizer, limit: int | None) -> tu
     return prompts, [extract_gold(c[-1]["content"]) for c in holdout]
 
 
-def train_run(cfg: TrainConfig, model, tokenizer, train, val, tf32: bool = False):
-    """Run the Trainer; return (summary, trained model)."""
+def train_run(cfg: TrainConfig, model, tokenizer, train, val, tf32: bool = False, export_eval: bool = False):
+    """Run the Trainer; return (summary, trained model). `export_eval`: the summary's `export_val_loss` is the
+    validation loss of the run's BF16 `hf` export (`export_val_loss`)."""
     shutil.rmtree(cfg.run_dir, ignore_errors=True)
     t0 = time.perf_counter()
     with tf32_matmuls() if tf32 else contextlib.nullcontext():
@@ -364,6 +367,8 @@ def train_run(cfg: TrainConfig, model, tokenizer, train, val, tf32: bool = False
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+    if export_eval:
+        summary["export_val_loss"] = export_val_loss(cfg, Path(cfg.run_dir) / "final", tokenizer, val)
     return summary, model
 
 
@@ -433,7 +438,8 @@ def rel_gap(fp8: float | None, bf16: float | None) -> float | None:
 
 
 def _gaps(runs: dict) -> dict:
-    return {k: rel_gap(runs["hybrid"][k], runs["bf16"][k]) for k in ("final_train_loss", "final_val_loss")}
+    return {k: rel_gap(runs["hybrid"].get(k), runs["bf16"].get(k))
+            for k in ("final_train_loss", "final_val_loss", "export_val_loss")}
 
 
 def fit_steps(seconds: float, tokens_per_step: int, rates: list[float], scale: Scale, floor: int) -> int:
@@ -503,6 +509,9 @@ def markdown(res: dict) -> str:
                   f"| final validation loss | {fmt_value(b['final_val_loss'])} | {fmt_value(f['final_val_loss'])} | "
                   f"{fmt_value(g.get('final_val_loss'), True)} ({'within' if ok else 'outside'} the "
                   f"{100 * targets[stage]:.2f}% target) |",
+                  f"| validation loss of the BF16 `hf` export (every GEMM in BF16) | "
+                  f"{fmt_value(b.get('export_val_loss'))} | {fmt_value(f.get('export_val_loss'))} | "
+                  f"{fmt_value(g.get('export_val_loss'), True)} |",
                   f"| steps / tokens | {b['steps']} / {b['tokens']:,} | {f['steps']} / {f['tokens']:,} | |",
                   f"| tokens/s (median) / wall | {b['tokens_per_s'] or 0:,.0f} / {b['wall_s']} s | "
                   f"{f['tokens_per_s'] or 0:,.0f} / {f['wall_s']} s | |", ""]
@@ -582,8 +591,8 @@ class _Bench:
                           eval_batches=self.scale.eval_batches, model=source or self.base_dir, evals=evals,
                           health_every=max(1, steps // 4), recipe="bf16" if recipe == "bf16" else "hybrid")
 
-    def train(self, cfg: TrainConfig, model, train, val, tf32: bool = False):
-        summary, model = train_run(cfg, model, self.tokenizer, train, val, tf32)
+    def train(self, cfg: TrainConfig, model, train, val, tf32: bool = False, export_eval: bool = False):
+        summary, model = train_run(cfg, model, self.tokenizer, train, val, tf32, export_eval)
         self.runs_left -= 1
         return summary, model
 
@@ -673,7 +682,7 @@ class _Bench:
                               self.scale.cpt_batch)
             self.log(f"CPT {arm}: {self.cpt_steps} steps of {self.tokens_per_step} tokens")
             self.res["cpt"][arm], self.models[arm] = self.train(cfg, copy.deepcopy(self.base), self.cpt_train,
-                                                                self.cpt_val)
+                                                                self.cpt_val, export_eval=True)
             self.save()
         self.res["cpt"]["gap"] = _gaps(self.res["cpt"])
         plot_curves(self.work, [f"cpt_{a}" for a in ARMS], self.out / "cpt_loss.png",
@@ -699,7 +708,7 @@ class _Bench:
             cfg = self.config("sft", f"sft_{arm}", arm, self.sft_data, optim, steps, s.sft_batch,
                               source=str(self.work / "runs" / f"cpt_{arm}" / "final"))
             self.log(f"SFT {arm}: {steps} steps ({self.res['plan']['sft_epochs']} epochs)")
-            self.res["sft"][arm], _ = self.train(cfg, self.models.pop(arm), train, val)
+            self.res["sft"][arm], _ = self.train(cfg, self.models.pop(arm), train, val, export_eval=True)
             self.save()
         self.res["sft"]["gap"] = _gaps(self.res["sft"])
         plot_curves(self.work, [f"sft_{a}" for a in ARMS], self.out / "sft_loss.png",

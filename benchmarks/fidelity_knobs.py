@@ -153,15 +153,13 @@ class _Runner:
         s, a, runs = self.scale, self.args, self.work / "runs"
         out: dict = {"arm": arm.describe()}
         cfg = self.config(arm, "cpt", self.cpt_data, fid.cpt_schedule(s.cpt_lr), a.cpt_steps, s.cpt_batch, self.base_dir)
-        out["cpt"], model = fid.train_run(cfg, copy.deepcopy(self.base), self.tokenizer, self.cpt_train, self.cpt_val)
-        cpt_export = runs / f"cpt_{arm.slug}" / "final"
-        out["cpt"]["export_val_loss"] = fid.export_val_loss(cfg, cpt_export, self.tokenizer, self.cpt_val)
+        out["cpt"], model = fid.train_run(cfg, copy.deepcopy(self.base), self.tokenizer, self.cpt_train, self.cpt_val,
+                                          export_eval=True)
         # the config names the CPT run's BF16 export: the FP32 model handed over in memory is not on disk
-        cfg = self.config(arm, "sft", self.sft_data, fid.sft_schedule(s.sft_lr), a.sft_steps, s.sft_batch, cpt_export)
-        out["sft"], _ = fid.train_run(cfg, model, self.tokenizer, self.sft_train, self.sft_val)
+        cfg = self.config(arm, "sft", self.sft_data, fid.sft_schedule(s.sft_lr), a.sft_steps, s.sft_batch,
+                          runs / f"cpt_{arm.slug}" / "final")
+        out["sft"], _ = fid.train_run(cfg, model, self.tokenizer, self.sft_train, self.sft_val, export_eval=True)
         del model
-        out["sft"]["export_val_loss"] = fid.export_val_loss(cfg, runs / f"sft_{arm.slug}" / "final", self.tokenizer,
-                                                            self.sft_val)
         t0 = time.perf_counter()
         outs = fid.generate_greedy(runs / f"sft_{arm.slug}" / "final", self.tokenizer, self.prompts,
                                    s.max_new_tokens, s.eval_batch, self.device)

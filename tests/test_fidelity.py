@@ -190,6 +190,24 @@ def test_paired_counts_and_mcnemar():
     assert fidelity.paired([True] * 6, [False] * 6)["mcnemar_p"] == pytest.approx(2 / 64)
 
 
+def test_report_gives_the_exports_gap_beside_the_trained_models():
+    """Each stage's table holds the validation loss of both BF16 `hf` exports and their gap, beside the gap of the
+    models as trained (whose FP8 forward the export drops); a run without the export's loss says n/a."""
+    def run(val, export):
+        return {"final_train_window": 3, "final_train_loss": val + 0.1, "final_val_loss": val, "steps": 4,
+                "tokens": 4096, "tokens_per_s": 1e3, "wall_s": 1.0, **({"export_val_loss": export} if export else {})}
+
+    runs = {"bf16": run(2.0, 2.001), "hybrid": run(2.02, 2.011)}
+    gap = fidelity._gaps(runs)
+    assert gap["final_val_loss"] == pytest.approx(0.01) and gap["export_val_loss"] == pytest.approx(2.011 / 2.001 - 1)
+    md = fidelity.markdown({"status": "done", "cpt": {**runs, "gap": gap}})
+    assert f"| validation loss of the BF16 `hf` export (every GEMM in BF16) | 2.0010 | 2.0110 | " \
+           f"{100 * (2.011 / 2.001 - 1):+.3f}% |" in md
+    runs = {"bf16": run(2.0, None), "hybrid": run(2.02, None)}
+    assert "| 2.0000 | 2.0200 | +1.000% (outside" in fidelity.markdown({"cpt": {**runs, "gap": fidelity._gaps(runs)}})
+    assert "every GEMM in BF16) | n/a | n/a | n/a |" in fidelity.markdown({"cpt": {**runs, "gap": fidelity._gaps(runs)}})
+
+
 def test_score_extracts_the_final_number():
     outs = [("so 3 + 4 = 7\n#### 7", True, 12), ("The answer is 1,200.", True, 6), ("I think 5", False, 256),
             ("no number here", True, 3)]

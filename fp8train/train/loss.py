@@ -19,7 +19,9 @@ chunk by chunk of tokens instead, and returns `logits=None` when `labels` are gi
   by default enough tokens for 2**28 logits per chunk.
 - numerics: each chunk runs Hugging Face's own ops (F.linear in BF16, `.float()`, `F.cross_entropy`
   summed, differentiated by autograd), so with a single chunk on the CPU the loss and both gradients
-  are bit for bit those of the plain path. With several chunks the weight gradient is the FP32 sum of
+  are bit for bit those of the plain path; on a CPU without AVX-512, whose BF16 GEMM is a scalar loop 20-80x
+  slower than FP32's, the head GEMMs run in FP32 on the BF16 values (the same products and rounding, sums in
+  another order). With several chunks the weight gradient is the FP32 sum of
   per-chunk products (on CUDA accumulated by the GEMM in FP32, never rounded to BF16 as the plain path's
   is); compiled (`compile=True`), the per-chunk softmax/gradient arithmetic is inductor's.
 
@@ -55,6 +57,29 @@ def _chunk_size(tokens: int, vocab: int, chunk_tokens: int | None) -> int:
     chunks = max(1, math.ceil(tokens * vocab / _CHUNK_LOGITS))
     per = math.ceil(tokens / chunks)
     return per if chunks == 1 else math.ceil(per / 128) * 128  # equal chunks, GEMM-friendly rows
+
+
+# ----------------------------------------------------------------------------------- the head GEMMs
+
+
+def _bf16_gemm_in_fp32(device: torch.device) -> bool:
+    """Whether this device's BF16 GEMM is ATen's scalar fallback: a CPU without AVX-512 (oneDNN has no BF16
+    kernel for it). There a [512, 151936] . [151936, 128] product took 40 s against 0.5 s in FP32 (an AVX2 EPYC,
+    torch 2.13, one thread), so the head's GEMMs run in FP32 on the BF16 values instead: exact products, FP32
+    accumulation and one rounding to BF16, as the BF16 GEMM computes, up to the order of the sums."""
+    return device.type == "cpu" and not torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b of two BF16 matrices, as BF16 (`_bf16_gemm_in_fp32`: computed in FP32)."""
+    if _bf16_gemm_in_fp32(a.device):
+        return a.float().mm(b.float()).to(a.dtype)
+    return a.mm(b)
+
+
+def _linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """F.linear(x, w) of BF16 x [tokens, hidden] and w [vocab, hidden] (the plain path's op), as `_mm`."""
+    return _mm(x, w.t()) if _bf16_gemm_in_fp32(x.device) else F.linear(x, w)
 
 
 # ------------------------------------------------------------------------------ one chunk's gradient
@@ -97,7 +122,7 @@ def _accumulate_grad_weight(acc: torch.Tensor | None, grad: torch.Tensor, x: tor
         if acc is None:
             return torch.mm(grad.t(), x, out_dtype=torch.float32)
         return torch.addmm(acc, grad.t(), x, out_dtype=torch.float32, out=acc)
-    product = grad.t().mm(x)
+    product = _mm(grad.t(), x)
     return product.float() if acc is None else acc.add_(product)
 
 
@@ -112,10 +137,10 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             grad_w, total = None, None
             for start in range(0, x.shape[0], chunk):
                 xc = x[start:start + chunk]
-                ce, grad = ce_grad(F.linear(xc, w), targets[start:start + chunk], scale)
+                ce, grad = ce_grad(_linear(xc, w), targets[start:start + chunk], scale)
                 total = ce if total is None else total + ce
                 if grad_x is not None:
-                    grad_x[start:start + chunk] = grad.mm(w)
+                    grad_x[start:start + chunk] = _mm(grad, w)
                 if weight.requires_grad:
                     grad_w = _accumulate_grad_weight(grad_w, grad, xc)
                 del grad
@@ -141,7 +166,7 @@ def _loss_only(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, div
         w = weight.to(torch.bfloat16)
         total = None
         for start in range(0, x.shape[0], chunk):
-            logits = F.linear(x[start:start + chunk].to(torch.bfloat16), w)
+            logits = _linear(x[start:start + chunk].to(torch.bfloat16), w)
             ce = F.cross_entropy(logits.float(), targets[start:start + chunk], ignore_index=IGNORE_INDEX,
                                  reduction="sum")
             total = ce if total is None else total + ce

@@ -379,8 +379,8 @@ def export_val_loss(cfg: TrainConfig, export_dir: Path, tokenizer, val) -> float
     run_dir, t = Path(cfg.run_dir), cfg.train
     mb = min(t.micro_batch, len(val))  # the validation rows stand in for the training set, which needs a batch
     cfg = run_config(run_dir.parent.parent, cfg.stage, f"{run_dir.name}_export_eval", seed=cfg.seed, device=cfg.device,
-                     data=cfg.data, optim=cfg.optim, steps=t.steps, batch=mb, micro_batch=mb, eval_batches=t.eval_batches,
-                     model=export_dir, recipe="bf16")
+                     data=cfg.data, optim=cfg.optim, steps=t.steps, batch=mb, micro_batch=mb,
+                     eval_batches=t.eval_batches, model=export_dir, recipe="bf16")
     shutil.rmtree(cfg.run_dir, ignore_errors=True)
     trainer = _Trainer(cfg, tokenizer=tokenizer, train_data=val, val_data=val, progress=False)
     loss = trainer.evaluate()

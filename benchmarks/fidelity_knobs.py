@@ -299,8 +299,8 @@ def markdown(m: dict) -> str:
               f"{fid.fmt_value(nf['sft'], True)}, accuracy {_points(m['accuracy_noise_points'])}."]
     served = {spec: r for spec, r in table.items() if r.get("cpt_export_gap") is not None}
     if served:
-        lines += ["", "The same arms served from their BF16 `hf` export (each stage's final model in BF16, no FP8 GEMM; "
-                  "the gaps above are of the model as trained, FP8 forward included):", "",
+        lines += ["", "The same arms served from their BF16 `hf` export (each stage's final model in BF16, no FP8 "
+                  "GEMM; the gaps above are of the model as trained, FP8 forward included):", "",
                   "| arm | against | CPT export val loss | CPT gap, export | as trained | SFT export val loss | "
                   "SFT gap, export | as trained |", "|---|---|---|---|---|---|---|---|"]
         for spec, r in served.items():

@@ -2,7 +2,7 @@
 
     fp8train bench --models qwen2.5-1.5b qwen2.5-7b:22 --seq 4096 8192 --profile
 
-Every variant runs the trainer's own `Trainer.train_step` (FP32 master weights, AdamW, BF16 autocast,
+Every variant runs the trainer's own step (FP32 master weights, AdamW, BF16 autocast,
 grad clipping) on the same random tokens from the same initial weights; only the Linears differ:
   bf16                 nn.Linear under autocast (the standard mixed-precision baseline)
   hybrid, tensorwise   fp8train.convert_to_fp8 with that recipe
@@ -16,7 +16,9 @@ A variant may carry recipe modifiers, for A/B runs in one process: `hybrid+wgrad
 producers, hybrid's default; `+fused` turns it on for the other recipes), `hybrid+t_bwd` (`input_t_in_backward`:
 grad_weight's input.T made in the backward instead of saved).
 `compiled` applies torch.compile to each decoder layer, for every variant alike (the trainer's
-`train.compile`); `cudagraphs` also replays each layer as CUDA graphs (`train.cuda_graphs`). Step time
+`train.compile`); `cudagraphs` also replays each layer as CUDA graphs (`train.cuda_graphs`). Steps run as the
+trainer's loop runs them, each enqueued before the last is read (`Trainer.enqueue_step`); a step's time is from
+its start to the next one's on the GPU's clock, the GPU's idle time included. Step time
 is the median of the timed steps after the warm-up (their range beside it); `--rounds N` runs the variant
 list N times interleaved and reports each ratio's median and range over the rounds; peak memory is torch.cuda.max_memory_allocated over
 the timed steps (with cudagraphs over all steps: the graphs' pool is allocated while recording). Ratios
@@ -33,6 +35,7 @@ the profiled step's Chrome trace (chrome://tracing, Perfetto) of each variant, w
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -40,6 +43,7 @@ import re
 import statistics
 import tempfile
 import time
+import warnings
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -87,6 +91,9 @@ class BenchCase:
     """The trainer's `train.loss_impl`: chunked (the default), liger, or hf (full logits)."""
     optim_impl: str = "auto"
     """The trainer's `optim.impl`: auto (fp8train's Triton AdamW on CUDA), triton, fused (torch's) or foreach."""
+    docs: int = 1
+    """Documents packed in each sequence, of equal length (position_ids restart at each, as CPT's
+    `document_masking` and SFT's packing make them): the model attends within each document only."""
 
 
 def _kernel_events(prof):
@@ -218,6 +225,37 @@ def memory_breakdown(trainer, batches: list[dict]) -> dict[str, float]:
     return out
 
 
+def _now(cuda: bool):
+    """A point in time on the device's clock: a CUDA event recorded on the current stream (the host's elsewhere)."""
+    if not cuda:
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+@contextlib.contextmanager
+def _host_syncs(check: bool):
+    """Collects, as file:line, each CUDA operation inside that made the host wait for the GPU (torch's sync
+    debug mode)."""
+    found: list[str] = []
+    if not check:
+        yield found
+        return
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield found
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    found += [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+
+
+def _seconds(a, b) -> float:
+    return b - a if isinstance(a, float) else a.elapsed_time(b) / 1e3
+
+
 def parse_variant(name: str):
     """(base variant, Fp8Recipe or None) of a variant name with recipe modifiers (`hybrid+wgrad_from_fp8`:
     `fp8train.parse_recipe`'s spelling; None: the trainer builds the base's recipe itself)."""
@@ -259,8 +297,9 @@ def run_case(case: BenchCase, *, steps: int = 5, warmup: int = 2, device: str = 
         fp8_layers = len(convert_to_fp8(model, custom).converted)
     vocab, seq = model.config.vocab_size, case.seq
     g = torch.Generator().manual_seed(1)
+    positions = torch.arange(seq) % -(-seq // case.docs)
     rows = [{"input_ids": (ids := torch.randint(0, vocab, (seq,), generator=g)), "labels": ids,
-             "position_ids": torch.arange(seq)} for _ in range(steps + warmup)]
+             "position_ids": positions} for _ in range(steps + warmup)]
     cfg = TrainConfig(stage="cpt", data=CptDataConfig(paths=["(synthetic)"], seq_len=seq),
                       run_dir=tempfile.mkdtemp(prefix=f"fp8train-bench-{case.variant}-"), resume="none",
                       device=device, recipe=recipe, model=mcfg,
@@ -271,22 +310,32 @@ def run_case(case: BenchCase, *, steps: int = 5, warmup: int = 2, device: str = 
     trainer = Trainer(cfg, model=model, train_data=rows, val_data=None, progress=False)
     cuda = device == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    times, losses = [], []
+    # As the trainer's loop runs them: step i + 1 is enqueued before step i is read, so the device does not
+    # wait for the host between steps. A step's time is from its start to the next one's, on the device's
+    # clock (CUDA events; the host's elsewhere): whatever the device idles between them counts.
+    clock, losses, in_flight, host_syncs = [], [], None, []
+    sync()
     for i in range(warmup + steps):
         # CUDA graphs allocate their memory pool while recording, in the warm-up: their peak spans it
         if cuda and i == (0 if case.mode == "cudagraphs" else warmup):
             torch.cuda.reset_peak_memory_stats()
         batches = trainer.next_micro_batches()
-        sync()
-        t0 = time.perf_counter()
-        loss, _, _ = trainer.train_step(batches)
-        sync()
-        times.append(time.perf_counter() - t0)
-        losses.append(loss)
+        clock.append(_now(cuda))
+        with _host_syncs(cuda and i >= warmup) as syncs:
+            current = trainer.enqueue_step(batches)
+        host_syncs += syncs
+        if in_flight is not None:
+            losses.append(trainer.finish_step(in_flight)[0])
+        in_flight = current
+    clock.append(_now(cuda))
+    losses.append(trainer.finish_step(in_flight)[0])
+    sync()
+    times = [_seconds(a, b) for a, b in zip(clock, clock[1:])]
     timed_ms = [t * 1e3 for t in times[warmup:]]
     step_s = statistics.median(timed_ms) / 1e3
     tflops = flops_per_token(model.config, seq) * seq / step_s / 1e12
-    res = {"model": case.model, "layers": model.config.num_hidden_layers, "seq": seq, "variant": case.variant,
+    res = {"model": case.model, "layers": model.config.num_hidden_layers, "seq": seq, "docs": case.docs,
+           "variant": case.variant,
            "loss_impl": case.loss_impl, "optim_impl": case.optim_impl, "mode": case.mode, "step_ms": step_s * 1e3,
            "step_ms_range": [min(timed_ms), max(timed_ms)], "tokens_per_s": seq / step_s, "tflops": tflops,
            # MFU against the BF16 peak for every variant (the FP8 one would halve FP8's figures)
@@ -295,7 +344,9 @@ def run_case(case: BenchCase, *, steps: int = 5, warmup: int = 2, device: str = 
            else float("nan"), "loss_first": losses[0], "loss_last": losses[-1],
            "fp8_layers": fp8_layers if fp8_layers is not None else len(trainer.fp8_report.converted),
            "first_step_s": times[0],
-           "skipped_steps": trainer.skipped_steps}  # non-finite steps skip the optimizer: not a valid timing
+           "skipped_steps": trainer.skipped_steps,  # non-finite steps skip the optimizer: not a valid timing
+           # where the host waited for the GPU while enqueueing a timed step (file:line; none expected)
+           "host_syncs": sorted(set(host_syncs))}
     if profile or top_kernels or trace_dir:
         from torch.profiler import ProfilerActivity
         from torch.profiler import profile as torch_profile
@@ -328,7 +379,7 @@ def _memory_split_applies(mode: str) -> bool:
 
 
 _CASE_KEYS = ("model", "layers", "seq", "mode")
-_SHAPE_KEYS = (*_CASE_KEYS, "loss_impl", "optim_impl")  # a result's BF16 base shares all of these
+_SHAPE_KEYS = (*_CASE_KEYS, "loss_impl", "optim_impl", "docs")  # a result's BF16 base shares all of these
 
 
 def _base(results: list[dict], r: dict) -> dict | None:
@@ -360,6 +411,7 @@ def _rounds_table(results: list[dict]) -> list[str]:
 def _label(r: dict) -> str:
     """The variant, with the loss and optimizer where they are not the defaults."""
     label = r["variant"] + (f" ({r['loss_impl']} loss)" if r.get("loss_impl", "chunked") != "chunked" else "")
+    label += f" ({r['docs']} documents a sequence)" if r.get("docs", 1) != 1 else ""
     return label + (f" ({r['optim_impl']} AdamW)" if r.get("optim_impl", "auto") != "auto" else "")
 
 
@@ -409,6 +461,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                    help="model presets, optionally with a layer count (qwen2.5-7b:16)")
     p.add_argument("--seq", type=int, nargs="+", default=[8192])
     p.add_argument("--vocab", type=int, default=None, help="embedding rows (default: the preset's)")
+    p.add_argument("--docs", type=int, nargs="+", default=[1],
+                   help="documents packed in each sequence (position_ids restart at each); several: each count")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), metavar="VARIANT",
                    help=f"{', '.join(VARIANTS)}; modifiers: {', '.join('+' + m for m in MODIFIERS)} (see above)")
     p.add_argument("--modes", nargs="+", default=["compiled"], choices=MODES,
@@ -445,9 +499,10 @@ def main(args: argparse.Namespace | list[str] | None = None) -> int:
             for mode in args.modes:
                 # rounds interleave the variants (A B C A B C): a drift of the machine or of the process
                 # shows as spread across rounds instead of as a difference between variants
-                for rnd, variant, loss, opt in ((i, v, loss, o) for i in range(args.rounds) for loss in args.loss_impl
-                                                for o in args.optim_impl for v in args.variants):
-                    case = BenchCase(name, layers, seq, variant, mode, args.vocab, loss, opt)
+                for rnd, variant, loss, opt, docs in ((i, v, loss, o, d) for i in range(args.rounds) for d in args.docs
+                                                      for loss in args.loss_impl for o in args.optim_impl
+                                                      for v in args.variants):
+                    case = BenchCase(name, layers, seq, variant, mode, args.vocab, loss, opt, docs)
                     try:
                         r = run_case(case, steps=args.steps, warmup=args.warmup, device=args.device,
                                      profile=args.profile and rnd == 0, activation_checkpointing=args.ac,

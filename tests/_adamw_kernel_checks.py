@@ -123,6 +123,39 @@ def interpret() -> dict:
         failures.append(f"differs from FP64 AdamW by {worst['vs fp64']:.1f} (units: ulp of p + 1e-3 of the update)")
     if worst_norm > 1e-6:
         failures.append(f"grad_norm differs from the FP64 norm by {worst_norm:.1e} (relative)")
+    # a step skipped on the device (`found_inf` set, as optimizer_step_on_device sets it) writes nothing, and its
+    # count is taken back by the next step (which is then the reference's next step) or by state_dict
+    def snapshot():
+        return [torch.cat([_bits(t) for t in (p, opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"])])
+                for p in params]
+
+    def counts():  # state_dict() first: it settles a skipped step's counts
+        opt.state_dict()
+        return [int(opt.state[p]["step"]) for p in params]
+
+    for skipped, followed_by in ((6, "step"), (8, "state_dict")):
+        _grads(params, skipped)
+        before, counted = snapshot(), [steps[i] for i in range(len(params))]
+        opt.grad_scale, opt.found_inf = torch.tensor([2.0]), torch.ones(())
+        opt.step()
+        del opt.grad_scale, opt.found_inf
+        if not all(map(torch.equal, before, snapshot())):
+            failures.append(f"a step with found_inf set wrote parameters or moments (then {followed_by})")
+        if followed_by == "step":
+            _grads(params, skipped + 1)
+            opt.found_inf = torch.zeros(())
+            opt.step()
+            del opt.found_inf
+            for i, p in enumerate(params):
+                steps[i] += 1
+                wd = 0.1 if i % 2 == 0 else 0.0
+                s = adamw.step_scalars(_HP["lr"], wd, _HP["betas"], _HP["eps"], steps[i])
+                adamw.adamw_reference(ref[i], p.grad, *ref_state[i], s)
+                if not torch.equal(_bits(p), _bits(ref[i])):
+                    failures.append(f"tensor {i}: the step after a skipped one is not the reference's next")
+            counted = [c + 1 for c in counted]
+        if counts() != counted:
+            failures.append(f"step counts {counts()} after a skipped step then {followed_by}, want {counted}")
     # a step skipped after the norm (non-finite) keeps no gradient alive: the tables hold them weakly
     _grads(params, 8)
     opt.grad_norm()

@@ -72,6 +72,19 @@ def test_variant_modifiers(capsys):
         run_case(BenchCase("tiny-qwen2", None, 64, "hybrid+fast", "eager", 512), device="cpu")
 
 
+def test_packed_documents_restart_positions_and_are_attended_apart(capsys):
+    """`--docs N`: each row holds N documents (position_ids restart at each); the model attends within each, so
+    the same tokens give another first loss than one document a row. Labelled and matched to their own BF16."""
+    from fp8train.bench import BenchCase, markdown_table, run_case
+
+    res = [run_case(BenchCase("tiny-qwen2", None, 64, v, "eager", 512, docs=d), steps=1, warmup=1, device="cpu")
+           for d in (1, 4) for v in ("bf16", "hybrid")]
+    assert [r["docs"] for r in res] == [1, 1, 4, 4] and res[0]["loss_first"] != res[2]["loss_first"]
+    table = markdown_table(res)
+    assert "hybrid (4 documents a sequence)" in table and "bf16 (4 documents a sequence) | " in table
+    assert table.count("| 1.000 |") == 2  # each BF16 is its own base, no row compared across counts
+
+
 def test_a_failing_variant_is_reported_not_fatal(capsys):
     rc = main(["--models", "tiny-qwen2", "--vocab", "512", "--seq", "64", "--device", "cpu", "--variants",
                "torchao-rowwise", "--modes", "eager", "--steps", "1", "--warmup", "0"])

@@ -600,3 +600,53 @@ def test_triton_adamw_on_cuda_equals_its_reference_on_cpu():
             assert torch.equal(_bits(p.detach().cpu()), _bits(want)), f"step {step}: {tuple(p.shape)}"
             assert torch.equal(_bits(opt.state[p]["exp_avg"].cpu()), _bits(mm))
             assert (q.detach().cpu() - want).abs().max() <= 1e-4 * step * 3e-3 * 10
+
+
+def test_a_step_skipped_on_the_device_writes_nothing_on_cuda():
+    """`optimizer_step_on_device` with a non-finite gradient (its flag made on the GPU, never read by the host
+    before the step): TritonAdamW and torch's fused AdamW leave parameters and moments as they were and count
+    no step; the step after it equals `adamw_reference`'s next step bit for bit."""
+    from torch import nn
+
+    from fp8train.train.adamw import adamw_reference, step_scalars
+    from fp8train.train.optim import OptimConfig, build_optimizer, gradient_norm, optimizer_step_on_device
+
+    for impl in ("triton", "fused"):
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(300, 2000), nn.Linear(2000, 129)).cuda()
+        opt = build_optimizer(m, OptimConfig(lr=3e-3, weight_decay=0.0, impl=impl))
+        cpu = [p.detach().cpu() for p in m.parameters()]
+        moments = [(torch.zeros_like(p), torch.zeros_like(p)) for p in cpu]
+        g = torch.Generator().manual_seed(2)
+        for step, bad in ((1, False), (2, True), (2, False)):  # the skipped step is not counted
+            grads = [torch.randn(p.shape, generator=g) for p in cpu]
+            if bad:
+                grads[1][7] = float("inf")
+            for p, grad in zip(m.parameters(), grads):
+                p.grad = grad.cuda()
+            norm = gradient_norm(opt, m)
+            optimizer_step_on_device(opt, m, 1.0, norm, found_inf=~torch.isfinite(norm))
+            if not bad:
+                scale = torch.clamp((norm.cpu() + 1e-6) / 1.0, min=1.0).reshape(1)
+                for p, grad, (mm, vv) in zip(cpu, grads, moments):
+                    adamw_reference(p, grad, mm, vv, step_scalars(3e-3, 0.0, (0.9, 0.95), 1e-8, step), scale)
+            for p, want in zip(m.parameters(), cpu):
+                if impl == "triton":
+                    assert torch.equal(_bits(p.detach().cpu()), _bits(want)), (impl, step, bad)
+                else:  # torch's own rounding: near the reference, and unchanged by the skipped step
+                    assert (p.detach().cpu() - want).abs().max() <= 1e-6, (impl, step, bad)
+        assert {int(v["step"]) for v in opt.state_dict()["state"].values()} == {2}, impl
+
+
+@pytest.mark.parametrize("mode", ["eager", "compiled", "cudagraphs"])
+@pytest.mark.parametrize("variant", ["bf16", "hybrid"])
+def test_trainer_enqueues_a_step_without_waiting_for_the_gpu(mode, variant):
+    """`Trainer.enqueue_step` after warm-up makes no host sync of its own (torch's sync debug mode: no `.item()`,
+    no blocking copy), so the loop keeps the GPU fed across steps; the overlapped steps train (finite, falling
+    losses) with no step skipped. The one sync left is Hugging Face's: every forward checks on the host whether
+    its rows hold packed documents (transformers' masking_utils, `find_packed_sequence_indices`)."""
+    from fp8train.bench import BenchCase, run_case
+
+    res = run_case(BenchCase("tiny-qwen2", None, 256, variant, mode, 512), steps=4, warmup=2, device="cuda")
+    assert all("transformers/masking_utils.py" in s for s in res["host_syncs"]), res["host_syncs"]
+    assert res["skipped_steps"] == 0 and res["loss_last"] < res["loss_first"]

@@ -40,9 +40,9 @@ def _logged_steps(run_dir: Path) -> int:
 def _interrupt_at(trainer: Trainer, stop_step: int) -> None:
     original = trainer._after_step
 
-    def after_step(step, *args):
-        original(step, *args)
-        if step == stop_step:
+    def after_step(done, *args):
+        original(done, *args)
+        if done.step == stop_step:
             raise KeyboardInterrupt
 
     trainer._after_step = after_step
@@ -80,9 +80,9 @@ def die():
 if point == "after_step":
     from fp8train.train.trainer import Trainer
     original = Trainer._after_step
-    def after_step(self, step, *a):
-        original(self, step, *a)
-        if step == int(arg):
+    def after_step(self, done, *a):
+        original(self, done, *a)
+        if done.step == int(arg):
             die()
     Trainer._after_step = after_step
 elif point == "writing":

@@ -283,43 +283,87 @@ def _nan_on_steps(trainer: Trainer, steps: set[int]):
     return trainer.model.model.norm.register_forward_hook(hook)
 
 
-def test_nonfinite_step_is_skipped_and_counted(tmp_path, byte_tokenizer, corpus):
-    cfg = tiny_config(tmp_path, byte_tokenizer, corpus, recipe="hybrid", **{"train.steps": 5, "train.save_every": 0})
+@pytest.mark.parametrize("impl", ["foreach", "fused"])
+def test_nonfinite_step_is_skipped_and_counted(tmp_path, byte_tokenizer, corpus, impl):
+    """foreach AdamW reads the loss and norm before its step and skips on the host; torch's fused AdamW (as
+    TritonAdamW on CUDA) skips on the device and the loop reads each step after enqueueing the next. Either
+    way the NaN step moves nothing, is counted once and logged under its own step, and the loop reads a step
+    after enqueueing the next unless the step evaluates, saves or ends the run."""
+    cfg = tiny_config(tmp_path, byte_tokenizer, corpus, recipe="hybrid",
+                      **{"train.steps": 5, "train.save_every": 0, "optim.impl": impl})
     trainer = Trainer(cfg, progress=False)
     _nan_on_steps(trainer, {3})
-    snapshots = {}
-    original = trainer.train_step
+    snapshots, finished = {}, []
+    enqueue, finish = trainer.enqueue_step, trainer.finish_step
 
-    def spy(batches, track_health=False):
+    def spy(batches, track_health=False):  # on the CPU the step has run when enqueue_step returns
         before = [p.detach().clone() for p in trainer.model.parameters()]
-        out = original(batches, track_health)
-        snapshots[trainer.step + 1] = all(torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
+        out = enqueue(batches, track_health)
+        snapshots[out.step] = all(torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
         return out
 
-    trainer.train_step = spy
+    def finish_spy(step):
+        finished.append((step.step, trainer.step))  # (the step read, the steps enqueued by then)
+        return finish(step)
+
+    trainer.enqueue_step, trainer.finish_step = spy, finish_spy
     result = trainer.fit()
     assert result.skipped_steps == 1 and result.step == 5
     assert math.isnan(result.losses[3]) and all(math.isfinite(result.losses[s]) for s in (1, 2, 4, 5))
     assert snapshots == {1: False, 2: False, 3: True, 4: False, 5: False}  # no update on the NaN step only
+    state = trainer.optimizer.state_dict()["state"]
+    assert {float(v["step"]) for v in state.values()} == {4.0}  # the skipped step not counted by AdamW either
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["skipped_steps"] for r in records if "loss" in r] == [0, 0, 1, 1, 1]
+    # steps 1-3 read after the next one is enqueued; 4 (it evaluates) and 5 (the last) before
+    assert finished == [(1, 2), (2, 3), (3, 4), (4, 4), (5, 5)]
 
 
-def test_stops_after_max_nonfinite_steps_keeping_last_good_checkpoint(tmp_path, byte_tokenizer, corpus):
+def test_overlapped_loop_equals_steps_waited_for(tmp_path, byte_tokenizer, corpus):
+    """The loop that reads each step after enqueueing the next (fused AdamW) trains exactly as steps waited
+    for one by one: the same losses, gradient norms and parameters, bit for bit; each logged step carries
+    the learning rate it stepped with (warmup: step 1 at lr / 2)."""
+    from fp8train.train.optim import skips_on_device
+
+    runs = {}
+    for how in ("loop", "steps"):
+        cfg = tiny_config(tmp_path / how, byte_tokenizer, corpus, recipe="hybrid",
+                          **{"train.steps": 4, "train.save_every": 0, "train.eval_every": 0, "optim.impl": "fused",
+                             "optim.warmup_steps": 2, "optim.decay_steps": 1})
+        trainer = Trainer(cfg, progress=False)
+        assert skips_on_device(trainer.optimizer)
+        if how == "loop":
+            trainer.fit()
+            records = [json.loads(line) for line in (tmp_path / how / "run" / "metrics.jsonl").read_text().splitlines()]
+            steps = [(r["loss"], r["grad_norm"], r["lr"]) for r in records if "loss" in r]
+        else:
+            steps = []
+            for _ in range(4):
+                lr = trainer.scheduler.get_last_lr()[0]
+                steps.append((*trainer.train_step(trainer.next_micro_batches())[:2], lr))
+        runs[how] = (steps, [p.detach().clone() for p in trainer.model.parameters()])
+    assert runs["loop"][0] == runs["steps"][0] and len(runs["loop"][0]) == 4
+    assert runs["loop"][0][0][2] == pytest.approx(cfg.optim.lr / 2)
+    assert all(torch.equal(a, b) for a, b in zip(runs["loop"][1], runs["steps"][1]))
+
+
+@pytest.mark.parametrize("impl", ["foreach", "fused"])
+def test_stops_after_max_nonfinite_steps_keeping_last_good_checkpoint(tmp_path, byte_tokenizer, corpus, impl):
     from fp8train.train.checkpoint import find_latest_checkpoint, load_checkpoint
 
     cfg = tiny_config(tmp_path, byte_tokenizer, corpus, recipe="hybrid",
-                      **{"train.steps": 10, "train.save_every": 2, "train.max_nonfinite_steps": 3})
+                      **{"train.steps": 10, "train.save_every": 3, "train.max_nonfinite_steps": 2, "optim.impl": impl})
     trainer = Trainer(cfg, progress=False)
     _nan_on_steps(trainer, set(range(4, 11)))
-    with pytest.raises(NonFiniteLossError, match=r"3 non-finite steps in a row at step 6.*step_00000004"):
+    with pytest.raises(NonFiniteLossError, match=r"2 non-finite steps in a row at step 5.*step_00000003"):
         trainer.fit()
-    assert trainer.step == 6 and trainer.skipped_steps == 3
+    # step 6 was enqueued (its update skipped too) before step 5 was read
+    assert trainer.step == 6 and trainer.skipped_steps == 2
     latest = find_latest_checkpoint(tmp_path / "run" / "checkpoints")
-    assert latest.name == "step_00000004"  # step 6 (a skipped step) was not saved
+    assert latest.name == "step_00000003"
     fresh = _tiny_model(byte_tokenizer)
     state = load_checkpoint(latest, model=fresh)
-    assert state["step"] == 4
+    assert state["step"] == 3
     for a, b in zip(fresh.parameters(), trainer.model.parameters()):  # nothing moved after step 3
         assert torch.equal(a, b.detach())
 

@@ -15,7 +15,11 @@ then p -= lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps).
 
 State is torch's (`step` as a CPU tensor, `exp_avg`, `exp_avg_sq`), so a checkpoint moves freely between
 this optimizer and torch's AdamW, fused or not. Gradient clipping folds in as with torch's fused AdamW: the
-caller sets `optimizer.grad_scale` (a device tensor) for one step and every gradient is divided by it.
+caller sets `optimizer.grad_scale` (a device tensor) for one step and every gradient is divided by it. So does
+GradScaler's other hook: with `optimizer.found_inf` (a device tensor) not 0 the kernel writes nothing, so a
+non-finite step is skipped without the host waiting for the norm. The host counts the step when it launches it
+and takes the count back, if the flag was set, at the next `step` or `state_dict` (the flag's copy to the host
+is long done by then).
 The clip's norm comes from the same tables: `grad_norm` sums the squares of each program's chunk in one launch
 per group (torch's `get_total_norm` took 1.57x its read floor at 7B/22 on the H200), and makes the step's
 tables before the caller's host sync on the norm, so the step after it only launches.
@@ -24,6 +28,7 @@ tables before the caller's host sync on the norm, so the step after it only laun
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -34,7 +39,7 @@ try:
 except ImportError:  # CPU-only installs: build_optimizer picks torch's AdamW there
     triton = None
 
-__all__ = ["TritonAdamW", "adamw_reference", "step_scalars", "triton_adamw_available"]
+__all__ = ["TritonAdamW", "adamw_reference", "read_later", "step_scalars", "triton_adamw_available"]
 
 # (elements per loop iteration of a program, iterations per program, warps): 4 elements per thread, one 16-byte
 # load a stream; 8,192 elements a program, so the tensor lookup is paid once per 32 KiB of each stream. The
@@ -82,12 +87,13 @@ def adamw_reference(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.
 
 if triton is not None:
     @triton.jit
-    def _adamw_kernel(addr_ptr, hyper_ptr, chunk_ptr, grad_scale_ptr,
+    def _adamw_kernel(addr_ptr, hyper_ptr, chunk_ptr, grad_scale_ptr, found_inf_ptr,
                       decay, one_minus_beta1, beta2, one_minus_beta2, eps,
-                      HAS_GRAD_SCALE: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+                      HAS_GRAD_SCALE: tl.constexpr, HAS_FOUND_INF: tl.constexpr, BLOCK: tl.constexpr,
+                      ITERS: tl.constexpr):
         """Program c updates elements [j * BLOCK * ITERS, (j + 1) * BLOCK * ITERS) of tensor t, where
         (t, j) = chunk[c]; tensor t's row of the address table holds the addresses of p, g, m, v and its size,
-        its row of `hyper` its step size and sqrt(1 - beta2^step)."""
+        its row of `hyper` its step size and sqrt(1 - beta2^step). Nothing is stored where found_inf != 0."""
         c = tl.program_id(0)
         t = tl.load(chunk_ptr + 2 * c)
         j = tl.load(chunk_ptr + 2 * c + 1).to(tl.int64)
@@ -101,6 +107,8 @@ if triton is not None:
         bc2_sqrt = tl.load(hyper_ptr + 2 * t + 1)
         if HAS_GRAD_SCALE:
             grad_scale = tl.load(grad_scale_ptr)
+        if HAS_FOUND_INF:  # a skipped step: every load and store masked off, so nothing is read or written
+            n = tl.where(tl.load(found_inf_ptr) == 0, n, 0)
         start = j * (BLOCK * ITERS)
         for i in tl.range(ITERS):
             offs = start + i * BLOCK + tl.arange(0, BLOCK)
@@ -154,7 +162,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 class TritonAdamW(torch.optim.AdamW):
     """torch's AdamW (decoupled weight decay; no amsgrad, maximize or capturable) with one Triton launch per
     parameter group. FP32 parameters and gradients on CUDA (FSDP2 shards included: each rank steps its own).
-    `optimizer.grad_scale`, a one-element device tensor set for one step, divides every gradient (the clip)."""
+    `optimizer.grad_scale`, a one-element device tensor set for one step, divides every gradient (the clip);
+    `optimizer.found_inf`, likewise, skips the step where it is not 0."""
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, *, launch: tuple[int, int, int] = _LAUNCH):
@@ -168,6 +177,7 @@ class TritonAdamW(torch.optim.AdamW):
         self._launch = launch  # (block, iterations, warps); benchmarks/optim_step.py compares a few
         self._chunk_maps: dict[tuple, torch.Tensor] = {}
         self._pending: list[_Table] | None = None  # grad_norm()'s tables, for the step() that follows
+        self._unsettled: _Launched | None = None  # the last step launched with a found_inf flag
 
     def _chunk_map(self, sizes: tuple[int, ...], device: torch.device) -> torch.Tensor:
         """[chunks, 2] int32: (tensor, chunk within it) for each program; depends only on the sizes."""
@@ -240,19 +250,35 @@ class TritonAdamW(torch.optim.AdamW):
 
     def load_state_dict(self, state_dict) -> None:
         self._pending = None  # the tables hold the addresses of the moments this replaces
+        self._unsettled = None  # the counts it would correct are replaced too
         super().load_state_dict(state_dict)
+
+    def state_dict(self) -> dict:
+        self._settle()
+        return super().state_dict()
+
+    def _settle(self) -> None:
+        """Take back the step counts of the last step if its `found_inf` skipped it on the device."""
+        launched, self._unsettled = self._unsettled, None
+        if launched is None:
+            return
+        if launched.flag().item() != 0:
+            torch._foreach_sub_(launched.steps, 1)
 
     @torch.no_grad()
     def step(self, closure=None):
         if closure is not None:
             raise ValueError("TritonAdamW.step takes no closure")
-        grad_scale = getattr(self, "grad_scale", None)
+        grad_scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
+        self._settle()  # the previous step's counts, before this one's bias corrections are made from them
         tables, self._pending = self._tables(), None
+        counted = []
         for t in tables:
             if t.chunks.numel() == 0:
                 continue
             steps = [self.state[p]["step"] for p in t.params]
             torch._foreach_add_(steps, 1)
+            counted += steps
             group = t.group
             lr, wd, betas, eps = group["lr"], group["weight_decay"], group["betas"], group["eps"]
             # one host read of the group's steps (they agree, except after loading parameters one by one)
@@ -262,10 +288,14 @@ class TritonAdamW(torch.optim.AdamW):
             s = by_step[counts[0]]  # (decay, betas, eps: the same for every step)
             hyper = torch.tensor(per_tensor, dtype=torch.float32).to(t.addr.device, non_blocking=True)
             scale = grad_scale.float().reshape(1) if grad_scale is not None else None  # None: compiled out
+            flag = found_inf.float().reshape(1) if found_inf is not None else None
             _adamw_kernel[(t.chunks.shape[0],)](
-                t.addr, hyper, t.chunks, scale, s["decay"], s["one_minus_beta1"], s["beta2"], s["one_minus_beta2"],
-                s["eps"], HAS_GRAD_SCALE=grad_scale is not None, BLOCK=self._launch[0], ITERS=self._launch[1],
+                t.addr, hyper, t.chunks, scale, flag, s["decay"], s["one_minus_beta1"], s["beta2"],
+                s["one_minus_beta2"], s["eps"], HAS_GRAD_SCALE=grad_scale is not None,
+                HAS_FOUND_INF=found_inf is not None, BLOCK=self._launch[0], ITERS=self._launch[1],
                 num_warps=self._launch[2], enable_fp_fusion=False)
+        if found_inf is not None and counted:
+            self._unsettled = _Launched(read_later(found_inf.reshape(())), counted)
         return None
 
 
@@ -284,3 +314,29 @@ class _Table(NamedTuple):
     grads: list[weakref.ref]  # the gradients the addresses are of (weak: a skipped step must not keep them)
     addr: torch.Tensor    # [tensors, 5] int64 on the device: addresses of p, g, m, v (this rank's), numel
     chunks: torch.Tensor  # [programs, 2] int32: (tensor, chunk within it)
+
+
+
+class _Launched(NamedTuple):
+    """A step launched with a `found_inf` flag: a reader of the flag, and the step counts it incremented."""
+
+    flag: Callable[[], torch.Tensor]
+    steps: list[torch.Tensor]
+
+
+def read_later(t: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """Start copying `t` to the host without waiting for the device; the function returned waits for that copy
+    only (not for the work queued after it) and returns the host tensor. On the CPU: a copy, at once."""
+    if t.device.type != "cuda":
+        host = t.detach().clone()
+        return lambda: host
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t.detach(), non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+
+    def read() -> torch.Tensor:
+        done.synchronize()
+        return host
+
+    return read

@@ -21,7 +21,7 @@ from torch import nn
 from .adamw import TritonAdamW, triton_adamw_available
 
 __all__ = ["OptimConfig", "build_optimizer", "build_scheduler", "clip_grad_norm", "gradient_norm", "lr_lambda",
-           "optimizer_step", "restore_step_impl"]
+           "optimizer_step", "optimizer_step_on_device", "restore_step_impl", "skips_on_device"]
 
 Schedule = Literal["wsd", "cosine", "constant"]
 _SCHEDULES = ("wsd", "cosine", "constant")
@@ -269,8 +269,10 @@ def gradient_norm(optimizer: torch.optim.Optimizer,
     return _total_norm(params)
 
 
-def _folds_clip(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether the step divides the gradients by `optimizer.grad_scale` (torch's fused AdamW, `TritonAdamW`)."""
+def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the optimizer's step divides the gradients by `optimizer.grad_scale` and skips itself where
+    `optimizer.found_inf` is not 0, both device tensors (GradScaler's hooks: torch's fused AdamW, `TritonAdamW`),
+    so that clipping and the skip of a non-finite step need no host sync."""
     fused = bool(optimizer.param_groups) and all(g.get("fused") for g in optimizer.param_groups)
     return fused or isinstance(optimizer, TritonAdamW)
 
@@ -281,33 +283,54 @@ def optimizer_step(optimizer: torch.optim.Optimizer, model_or_params: nn.Module 
     the device tensor `gradient_norm` enqueued for these gradients, else made here).
 
     No step, and the gradients left as they are, when `skip` or the norm is not finite (the caller counts
-    it and zeroes them). `max_norm` None or 0 only measures. With `TritonAdamW` (the default on CUDA) or
-    torch's fused AdamW the clip is folded into the update: the step divides every gradient by
-    `optimizer.grad_scale` (the hook GradScaler uses), here max(1, (norm + 1e-6) / max_norm), so the
-    gradients are read for the norm and then by the update, with no clipping pass of their own (torch's
-    fused kernel also writes the scaled gradient back; `TritonAdamW` leaves it unclipped). It divides where
-    torch's clip multiplies by min(1, max_norm / (norm + 1e-6)): while clipping is active a clipped gradient
-    can differ in its last bit; otherwise the scale is exactly 1. foreach AdamW (the CPU default): clip
-    then step. One host sync either way: the norm's read.
+    it and zeroes them). `max_norm` None or 0 only measures. One host sync: the norm's read, before the step
+    (`optimizer_step_on_device` decides on the device instead). How the clip is applied: `_clip_and_step`.
     """
     params = _params(model_or_params)
     total = gradient_norm(optimizer, params) if norm is None else norm
     value = float(total.item())
-    if skip or not math.isfinite(value):
-        return value
-    if not _folds_clip(optimizer):
+    if not (skip or not math.isfinite(value)):
+        _clip_and_step(optimizer, params, max_norm, total)
+    return value
+
+
+def optimizer_step_on_device(optimizer: torch.optim.Optimizer,
+                             model_or_params: nn.Module | Iterable[torch.Tensor], max_norm: float | None,
+                             norm: torch.Tensor, found_inf: torch.Tensor) -> None:
+    """`optimizer_step` without a host sync: the step is enqueued and skips itself on the device where the
+    one-element `found_inf` is not 0 (the caller's verdict on the loss and `norm`; parameters, moments and
+    step counts stay as they were). Needs an optimizer that `skips_on_device`."""
+    if not skips_on_device(optimizer):
+        raise ValueError(f"optimizer_step_on_device: {type(optimizer).__name__} (not fused) cannot skip a step "
+                         "on the device; use optimizer_step")
+    _clip_and_step(optimizer, _params(model_or_params), max_norm, norm, found_inf)
+
+
+def _clip_and_step(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], max_norm: float | None,
+                   norm: torch.Tensor, found_inf: torch.Tensor | None = None) -> None:
+    """Clip to `max_norm` (None or 0: no clip) given the gradients' `norm`, and step. Where the optimizer
+    `skips_on_device` the clip is folded into the update: the step divides every gradient by
+    `optimizer.grad_scale`, here max(1, (norm + 1e-6) / max_norm), so the gradients are read for the norm and
+    then by the update, with no clipping pass of their own (torch's fused kernel also writes the scaled
+    gradient back; `TritonAdamW` leaves it unclipped). It divides where torch's clip multiplies by
+    min(1, max_norm / (norm + 1e-6)): while clipping is active a clipped gradient can differ in its last bit;
+    otherwise the scale is exactly 1. foreach AdamW (the CPU default): clip, then step."""
+    if not skips_on_device(optimizer):
+        if found_inf is not None:
+            raise ValueError("_clip_and_step: found_inf needs an optimizer that skips on the device")
         if max_norm:
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
         optimizer.step()
-        return value
-    if not max_norm:
-        optimizer.step()
-        return value
-    if getattr(optimizer, "grad_scale", None) is not None:
-        raise RuntimeError("optimizer_step: the optimizer already carries a grad_scale (a GradScaler step?)")
-    optimizer.grad_scale = torch.clamp((total.float() + 1e-6) / max_norm, min=1.0)
+        return
+    if getattr(optimizer, "grad_scale", None) is not None or getattr(optimizer, "found_inf", None) is not None:
+        raise RuntimeError("optimizer_step: the optimizer already carries a grad_scale or found_inf (a GradScaler "
+                           "step?)")
+    if max_norm:
+        optimizer.grad_scale = torch.clamp((norm.float() + 1e-6) / max_norm, min=1.0)
+    if found_inf is not None:
+        optimizer.found_inf = found_inf.float()
     try:
         optimizer.step()
     finally:
-        del optimizer.grad_scale
-    return value
+        optimizer.__dict__.pop("grad_scale", None)
+        optimizer.__dict__.pop("found_inf", None)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from ..fp8.gemm import load_deep_gemm
 from ..fp8.recipe import make_recipe
 from ..export import export_hf
 from ..threads import cpu_threads
+from .adamw import read_later
 from .checkpoint import find_latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainConfig, config_to_dict
 from .distributed import World
@@ -36,10 +38,11 @@ from .loss import use_loss
 from .metrics import MetricsLogger, Throughput, flops_per_token, peak_memory_gib, peak_tflops
 from .lora import apply_lora, is_lora
 from .model import PRESETS, build_model, check_weights_match, load_model_tokenizer, parallelize_model
-from .optim import build_optimizer, build_scheduler, gradient_norm, optimizer_step, restore_step_impl
+from .optim import (build_optimizer, build_scheduler, gradient_norm, optimizer_step, optimizer_step_on_device,
+                    restore_step_impl, skips_on_device)
 from .resume import plan_resume
 
-__all__ = ["NonFiniteLossError", "TrainResult", "Trainer", "train"]
+__all__ = ["NonFiniteLossError", "StepInFlight", "TrainResult", "Trainer", "train"]
 
 
 class NonFiniteLossError(RuntimeError):
@@ -61,6 +64,26 @@ class TrainResult:
     """Non-finite steps skipped over the whole run, resumed parts included."""
     final_dir: Path | None = None
     """The exported Hugging Face directory (rank 0)."""
+
+
+
+@dataclass
+class StepInFlight:
+    """An optimizer step enqueued by `Trainer.enqueue_step`; `Trainer.finish_step` reads its loss and norm."""
+
+    step: int
+    """The step's number (1-based)."""
+    lr: float
+    """The learning rate it stepped with."""
+    tokens: int
+    """Tokens it trained on, over all ranks."""
+    tokens_seen: int
+    """Tokens of the run up to and including it."""
+    seq_len: int
+    health: dict
+    """FP8 health stats, where it tracked them."""
+    values: Callable[[], torch.Tensor]
+    """Waits for this step's [loss, grad norm] on the host and returns them."""
 
 
 def _pick_device(name: str) -> torch.device:
@@ -242,13 +265,24 @@ class Trainer:
         return torch.autocast(self.device.type, dtype=self.dtype)
 
     def train_step(self, batches: list[dict], track_health: bool = False) -> tuple[float, float, dict]:
-        """Forward/backward every micro-batch, clip, and step unless the loss or grad norm is not finite.
+        """One optimizer step over `batches`, waited for: `finish_step(enqueue_step(...))`.
 
         Returns (loss, grad_norm, fp8 health stats). The loss is the global per-token mean.
         """
+        return self.finish_step(self.enqueue_step(batches, track_health))
+
+    def enqueue_step(self, batches: list[dict], track_health: bool = False) -> "StepInFlight":
+        """Forward/backward every micro-batch, clip and step, without waiting for the device.
+
+        The loss and the gradient norm start on their way to the host, and the optimizer skips the update
+        on the device where either is not finite (`skips_on_device`: TritonAdamW, the CUDA default, and torch's
+        fused AdamW); so the host goes on to the next step while this one runs. Other optimizers (foreach, the
+        CPU default) wait for the two values here and skip on the host. `finish_step` reads them.
+        """
         world = self.world
         self._mark_step()
-        n_targets = world.all_reduce_sum(sum(_count_targets(b) for b in batches).to(self.device))
+        # non_blocking: a blocking copy to the device would wait for everything already queued on it
+        n_targets = world.all_reduce_sum(sum(_count_targets(b) for b in batches).to(self.device, non_blocking=True))
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
         health: dict = {}
@@ -268,22 +302,36 @@ class Trainer:
                     (out.loss * world.world_size).backward()
                 health.update(stats)
                 loss_sum += out.loss.detach().float()
-        # The norm is enqueued before the loss is read: that one host wait also covers it, and the norm's host
-        # work (the AdamW step's tables) overlaps the backward still running on the GPU.
         params = list(self.model.parameters())
         norm = gradient_norm(self.optimizer, params)
-        loss = float(world.all_reduce_sum(loss_sum))
+        loss_sum = world.all_reduce_sum(loss_sum)
+        values = read_later(torch.stack([loss_sum, norm.float().to(loss_sum.device)]))
         # Clip and step (the clip folded into a fused AdamW's step); no update for a non-finite loss or norm.
-        grad_norm = optimizer_step(self.optimizer, params, self.cfg.optim.grad_clip, skip=not math.isfinite(loss),
-                                   norm=norm)
+        clip = self.cfg.optim.grad_clip
+        if skips_on_device(self.optimizer):
+            finite = torch.isfinite(loss_sum) & torch.isfinite(norm)
+            optimizer_step_on_device(self.optimizer, params, clip, norm, found_inf=~finite)
+        else:
+            loss = float(values()[0])
+            optimizer_step(self.optimizer, params, clip, skip=not math.isfinite(loss), norm=norm)
+        lr = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()  # a skipped step keeps its place in the schedule
+        self.step += 1
+        tokens = sum(b["input_ids"].numel() for b in batches) * world.world_size
+        self.tokens_seen += tokens
+        return StepInFlight(self.step, lr, tokens, self.tokens_seen, batches[0]["input_ids"].shape[1], health,
+                            values)
+
+    def finish_step(self, step: "StepInFlight") -> tuple[float, float, dict]:
+        """(loss, grad_norm, fp8 health stats) of an enqueued step, waiting for that step only; a non-finite
+        one (its update skipped) is counted. Each step is finished once, in order."""
+        loss, grad_norm = step.values().tolist()
         if math.isfinite(loss) and math.isfinite(grad_norm):
             self._nonfinite_in_a_row = 0
         else:
-            self.optimizer.zero_grad(set_to_none=True)
             self.skipped_steps += 1
             self._nonfinite_in_a_row += 1
-        self.scheduler.step()  # a skipped step keeps its place in the schedule
-        return loss, grad_norm, health
+        return loss, grad_norm, step.health
 
     def _mark_step(self) -> None:
         """Tell CUDA graphs a new step begins: its replays may reuse the memory of the last step's outputs."""
@@ -347,26 +395,36 @@ class Trainer:
         return result
 
     def _train_loop(self, result: TrainResult) -> None:
+        """Steps overlap: step N is read and logged after step N + 1 is enqueued, so the device never waits
+        for the host between them. A step that evaluates, saves, tracks FP8 health or ends the run is
+        finished before the next begins, so that it sees the model of exactly its step."""
         t = self.cfg.train
         fp8 = make_recipe(self.cfg.recipe).enabled
         throughput = Throughput(self.device, peak_tflops(self.device, fp8), self.world.world_size)
+        in_flight = None
         while self.step < self.total_steps:
-            batches = self.next_micro_batches()
             step = self.step + 1
             track = fp8 and t.health_every > 0 and step % t.health_every == 0
-            loss, grad_norm, health = self.train_step(batches, track_health=track)
-            self.step = step
-            result.losses[step] = loss
-            tokens = sum(b["input_ids"].numel() for b in batches) * self.world.world_size
-            self.tokens_seen += tokens
-            throughput.add(tokens)
-            if throughput.flops_per_token is None:
-                throughput.flops_per_token = flops_per_token(self.model.config, batches[0]["input_ids"].shape[1])
-            if health:
-                self.logger.log_health(step, health)
-            if self._nonfinite_in_a_row:
-                self._report_nonfinite(step, loss, grad_norm)
-            self._after_step(step, loss, grad_norm, throughput, result)
+            current = self.enqueue_step(self.next_micro_batches(), track_health=track)
+            if in_flight is not None:
+                self._finish(in_flight, throughput, result)
+            in_flight = current
+            if track or step == self.total_steps or (t.eval_every and step % t.eval_every == 0) \
+                    or (t.save_every and step % t.save_every == 0):
+                self._finish(in_flight, throughput, result)
+                in_flight = None
+
+    def _finish(self, step: "StepInFlight", throughput: Throughput, result: TrainResult) -> None:
+        loss, grad_norm, health = self.finish_step(step)
+        result.losses[step.step] = loss
+        throughput.add(step.tokens)
+        if throughput.flops_per_token is None:
+            throughput.flops_per_token = flops_per_token(self.model.config, step.seq_len)
+        if health:
+            self.logger.log_health(step.step, health)
+        if self._nonfinite_in_a_row:
+            self._report_nonfinite(step.step, loss, grad_norm)
+        self._after_step(step, loss, grad_norm, throughput, result)
 
     def _export_final(self) -> Path | None:
         """The Hugging Face export of the final model (rank 0 gathers a sharded model first)."""
@@ -382,16 +440,16 @@ class Trainer:
                 f"{self._nonfinite_in_a_row} non-finite steps in a row at step {step} (config key "
                 f"'train.max_nonfinite_steps' = {limit}); stopping. Last good checkpoint: {last or 'none saved yet'}")
 
-    def _after_step(self, step: int, loss: float, grad_norm: float, throughput: Throughput,
+    def _after_step(self, done: "StepInFlight", loss: float, grad_norm: float, throughput: Throughput,
                     result: TrainResult) -> None:
         t = self.cfg.train
+        step, lr = done.step, done.lr
         last = step == self.total_steps
-        lr = self.scheduler.get_last_lr()[0]
         record = None
         if step % t.log_every == 0 or last:
             rate = throughput.report()
             record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, **rate,
-                      "peak_mem_gib": peak_memory_gib(self.device), "tokens": self.tokens_seen,
+                      "peak_mem_gib": peak_memory_gib(self.device), "tokens": done.tokens_seen,
                       "skipped_steps": self.skipped_steps}
             self.logger.progress(step, loss, lr, rate["tokens_per_s"])
         else:

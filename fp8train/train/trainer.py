@@ -66,7 +66,6 @@ class TrainResult:
     """The exported Hugging Face directory (rank 0)."""
 
 
-
 @dataclass
 class StepInFlight:
     """An optimizer step enqueued by `Trainer.enqueue_step`; `Trainer.finish_step` reads its loss and norm."""
@@ -80,6 +79,7 @@ class StepInFlight:
     tokens_seen: int
     """Tokens of the run up to and including it."""
     seq_len: int
+    """Tokens per row."""
     health: dict
     """FP8 health stats, where it tracked them."""
     values: Callable[[], torch.Tensor]
@@ -271,7 +271,7 @@ class Trainer:
         """
         return self.finish_step(self.enqueue_step(batches, track_health))
 
-    def enqueue_step(self, batches: list[dict], track_health: bool = False) -> "StepInFlight":
+    def enqueue_step(self, batches: list[dict], track_health: bool = False) -> StepInFlight:
         """Forward/backward every micro-batch, clip and step, without waiting for the device.
 
         The loss and the gradient norm start on their way to the host, and the optimizer skips the update
@@ -322,7 +322,7 @@ class Trainer:
         return StepInFlight(self.step, lr, tokens, self.tokens_seen, batches[0]["input_ids"].shape[1], health,
                             values)
 
-    def finish_step(self, step: "StepInFlight") -> tuple[float, float, dict]:
+    def finish_step(self, step: StepInFlight) -> tuple[float, float, dict]:
         """(loss, grad_norm, fp8 health stats) of an enqueued step, waiting for that step only; a non-finite
         one (its update skipped) is counted. Each step is finished once, in order."""
         loss, grad_norm = step.values().tolist()
@@ -414,7 +414,7 @@ class Trainer:
                 self._finish(in_flight, throughput, result)
                 in_flight = None
 
-    def _finish(self, step: "StepInFlight", throughput: Throughput, result: TrainResult) -> None:
+    def _finish(self, step: StepInFlight, throughput: Throughput, result: TrainResult) -> None:
         loss, grad_norm, health = self.finish_step(step)
         result.losses[step.step] = loss
         throughput.add(step.tokens)
@@ -440,7 +440,7 @@ class Trainer:
                 f"{self._nonfinite_in_a_row} non-finite steps in a row at step {step} (config key "
                 f"'train.max_nonfinite_steps' = {limit}); stopping. Last good checkpoint: {last or 'none saved yet'}")
 
-    def _after_step(self, done: "StepInFlight", loss: float, grad_norm: float, throughput: Throughput,
+    def _after_step(self, done: StepInFlight, loss: float, grad_norm: float, throughput: Throughput,
                     result: TrainResult) -> None:
         t = self.cfg.train
         step, lr = done.step, done.lr

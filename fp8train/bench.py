@@ -94,6 +94,8 @@ class BenchCase:
     docs: int = 1
     """Documents packed in each sequence, of equal length (position_ids restart at each, as CPT's
     `document_masking` and SFT's packing make them): the model attends within each document only."""
+    packed_attention: str = "flex"
+    """The trainer's `train.packed_attention` (packed rows on CUDA): flex (block mask) or sdpa (dense mask)."""
 
 
 def _kernel_events(prof):
@@ -306,6 +308,7 @@ def run_case(case: BenchCase, *, steps: int = 5, warmup: int = 2, device: str = 
                       optim=OptimConfig(lr=1e-5, min_lr=1e-6, schedule="constant", impl=case.optim_impl),
                       train=LoopConfig(steps=steps + warmup, global_batch=1, micro_batch=1, compile=case.mode != "eager",
                                        cuda_graphs=case.mode == "cudagraphs", loss_impl=case.loss_impl,
+                                       packed_attention=case.packed_attention,
                                        activation_checkpointing=activation_checkpointing))
     trainer = Trainer(cfg, model=model, train_data=rows, val_data=None, progress=False)
     cuda = device == "cuda"
@@ -335,6 +338,7 @@ def run_case(case: BenchCase, *, steps: int = 5, warmup: int = 2, device: str = 
     step_s = statistics.median(timed_ms) / 1e3
     tflops = flops_per_token(model.config, seq) * seq / step_s / 1e12
     res = {"model": case.model, "layers": model.config.num_hidden_layers, "seq": seq, "docs": case.docs,
+           "packed_attention": case.packed_attention,
            "variant": case.variant,
            "loss_impl": case.loss_impl, "optim_impl": case.optim_impl, "mode": case.mode, "step_ms": step_s * 1e3,
            "step_ms_range": [min(timed_ms), max(timed_ms)], "tokens_per_s": seq / step_s, "tflops": tflops,
@@ -379,7 +383,7 @@ def _memory_split_applies(mode: str) -> bool:
 
 
 _CASE_KEYS = ("model", "layers", "seq", "mode")
-_SHAPE_KEYS = (*_CASE_KEYS, "loss_impl", "optim_impl", "docs")  # a result's BF16 base shares all of these
+_SHAPE_KEYS = (*_CASE_KEYS, "loss_impl", "optim_impl", "docs", "packed_attention")  # a result's BF16 base shares all of these
 
 
 def _base(results: list[dict], r: dict) -> dict | None:
@@ -412,6 +416,7 @@ def _label(r: dict) -> str:
     """The variant, with the loss and optimizer where they are not the defaults."""
     label = r["variant"] + (f" ({r['loss_impl']} loss)" if r.get("loss_impl", "chunked") != "chunked" else "")
     label += f" ({r['docs']} documents a sequence)" if r.get("docs", 1) != 1 else ""
+    label += f" ({r['packed_attention']} attention)" if r.get("packed_attention", "flex") != "flex" else ""
     return label + (f" ({r['optim_impl']} AdamW)" if r.get("optim_impl", "auto") != "auto" else "")
 
 
@@ -463,6 +468,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--vocab", type=int, default=None, help="embedding rows (default: the preset's)")
     p.add_argument("--docs", type=int, nargs="+", default=[1],
                    help="documents packed in each sequence (position_ids restart at each); several: each count")
+    p.add_argument("--packed-attention", nargs="+", default=["flex"], choices=("flex", "sdpa"),
+                   help="the attention of packed rows (train.packed_attention); several: every variant with each")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), metavar="VARIANT",
                    help=f"{', '.join(VARIANTS)}; modifiers: {', '.join('+' + m for m in MODIFIERS)} (see above)")
     p.add_argument("--modes", nargs="+", default=["compiled"], choices=MODES,
@@ -499,10 +506,11 @@ def main(args: argparse.Namespace | list[str] | None = None) -> int:
             for mode in args.modes:
                 # rounds interleave the variants (A B C A B C): a drift of the machine or of the process
                 # shows as spread across rounds instead of as a difference between variants
-                for rnd, variant, loss, opt, docs in ((i, v, loss, o, d) for i in range(args.rounds) for d in args.docs
-                                                      for loss in args.loss_impl for o in args.optim_impl
-                                                      for v in args.variants):
-                    case = BenchCase(name, layers, seq, variant, mode, args.vocab, loss, opt, docs)
+                for rnd, variant, loss, opt, docs, attn in (
+                        (i, v, loss, o, d, a) for i in range(args.rounds) for d in args.docs
+                        for a in args.packed_attention for loss in args.loss_impl for o in args.optim_impl
+                        for v in args.variants):
+                    case = BenchCase(name, layers, seq, variant, mode, args.vocab, loss, opt, docs, attn)
                     try:
                         r = run_case(case, steps=args.steps, warmup=args.warmup, device=args.device,
                                      profile=args.profile and rnd == 0, activation_checkpointing=args.ac,

@@ -74,6 +74,11 @@ class LoopConfig:
     Hugging Face forward (full FP32 logits). All three compute the same loss (fp8train/train/loss.py)."""
     loss_chunk_tokens: int | None = None
     """Tokens per chunk of `loss_impl: chunked`; null = enough for 2**28 logits per chunk (1 GiB as FP32)."""
+    packed_attention: Literal["flex", "sdpa"] = "flex"
+    """Attention of rows packed from several documents (CPT's `document_masking`, SFT's packing), on CUDA:
+    `flex` runs flex_attention over a block mask of the documents, skipping every block outside them
+    (fp8train/train/attention.py); `sdpa` Hugging Face's SDPA with a dense [S, S] mask, ~3.5x the attention
+    time at 8,192 tokens. Rows of one document run SDPA's causal kernel either way; on a CPU, always `sdpa`."""
     report_to: list[str] | None = None
     """Experiment trackers for the metrics and FP8 health, as transformers spells them: some of tensorboard,
     wandb, mlflow; `all` (those installed) or `none`. null = TensorBoard when installed."""

@@ -31,6 +31,7 @@ from ..fp8.recipe import make_recipe
 from ..export import export_hf
 from ..threads import cpu_threads
 from .adamw import read_later
+from .attention import use_packed_attention
 from .checkpoint import find_latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainConfig, config_to_dict
 from .distributed import World
@@ -163,6 +164,8 @@ class Trainer:
         self.total_steps = self._total_steps()
 
         self.model.to(self.device)
+        if cfg.train.packed_attention == "flex" and self.device.type == "cuda":  # flex has no CPU backward
+            use_packed_attention(self.model)
         recipe = make_recipe(cfg.recipe, pow2_scale=cfg.pow2_scale, swiglu_inputs_fp8=cfg.swiglu_inputs_fp8,
                              deep_gemm=cfg.deep_gemm, fuse_swiglu=cfg.fuse_swiglu,
                              input_t_in_backward=cfg.input_t_in_backward)

@@ -1,0 +1,88 @@
+"""Attention for rows packed from several documents: a block-sparse kernel instead of a dense mask.
+
+CPT's `document_masking` and SFT's packing restart `position_ids` at every document of a row, and Hugging
+Face's models then attend within each document only. With HF's SDPA that takes a dense [B, 1, S, S] mask built
+every forward, which rules out SDPA's causal flash kernels and computes every masked-out score: at 8,192 tokens
+attention costs ~3.5x a row of one document's (docs/benchmarks.md, twenty-second session).
+
+`use_packed_attention(model)` gives the model one attention implementation, registered with transformers'
+`AttentionInterface` and `AttentionMaskInterface` under `PACKED_ATTENTION`, that chooses by HF's own mask
+arguments, so its semantics are HF's wherever the model is called:
+  - a row of one document (HF may skip the mask: `allow_is_causal_skip`): SDPA with `is_causal`, exactly HF's
+    `sdpa` path (the same mask, None, and the same function);
+  - anything else (packed documents, padding): a flex-attention `BlockMask` built from HF's own mask function
+    (same document and causal), and `flex_attention` over it, which skips every 128 x 128 block outside a
+    document. Grouped-query heads are handed over as they are (`enable_gqa`), not repeated.
+Only the attention kernel changes: which scores count is HF's mask function either way, so a packed row's
+output equals SDPA-with-the-dense-mask up to the kernels' BF16 rounding (tests/test_attention.py,
+tests/test_gpu.py). Checkpoints do not record it (HF does not save the implementation in config.json).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["PACKED_ATTENTION", "use_packed_attention"]
+
+PACKED_ATTENTION = "fp8train_sdpa_flex"
+
+
+def _mask(*args, **kwargs):
+    """HF's mask for this implementation: None (causal SDPA) where HF's SDPA would skip the mask, else a
+    `BlockMask` of HF's mask function."""
+    from transformers.masking_utils import flex_attention_mask, sdpa_mask
+
+    if args or kwargs.get("allow_is_causal_skip", True):
+        return sdpa_mask(*args, **kwargs)  # None for a row of one document; a dense mask for padding
+    return flex_attention_mask(**kwargs)
+
+
+def _flex(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kwargs) -> torch.Tensor:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if query.device.type == "cpu" or torch.compiler.is_compiling():
+        return flex_attention(query, key, value, **kwargs)  # traced by the caller's compile (or the CPU's reference)
+    return _compiled_flex()(query, key, value, **kwargs)  # eager on CUDA: flex only runs fast compiled
+
+
+_COMPILED: list = []
+
+
+def _compiled_flex():
+    if not _COMPILED:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _COMPILED.append(torch.compile(flex_attention, dynamic=False))
+    return _COMPILED[0]
+
+
+def _attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               attention_mask, scaling: float | None = None, dropout: float = 0.0, **kwargs):
+    """HF's attention interface: [B, H, S, D] query, key, value in; [B, S, H, D] out (and no weights)."""
+    from torch.nn.attention.flex_attention import BlockMask
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if not isinstance(attention_mask, BlockMask):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    if dropout:
+        raise ValueError("packed-document attention (flex) has no dropout; set the model's attention_dropout to 0")
+    out = _flex(query, key, value, block_mask=attention_mask, scale=scaling,
+                enable_gqa=query.shape[1] != key.shape[1])
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(PACKED_ATTENTION, _attention)
+    AttentionMaskInterface.register(PACKED_ATTENTION, _mask)
+
+
+def use_packed_attention(model: nn.Module) -> None:
+    """Give a Hugging Face model (PEFT-wrapped or not) the attention above, in place."""
+    _register()
+    hf = model.get_base_model() if hasattr(model, "get_base_model") else model
+    hf.set_attn_implementation(PACKED_ATTENTION)

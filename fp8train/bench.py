@@ -94,7 +94,7 @@ class BenchCase:
     docs: int = 1
     """Documents packed in each sequence, of equal length (position_ids restart at each, as CPT's
     `document_masking` and SFT's packing make them): the model attends within each document only."""
-    packed_attention: str = "flex"
+    packed_attention: str = "sdpa"
     """The trainer's `train.packed_attention` (packed rows on CUDA): flex (block mask) or sdpa (dense mask)."""
 
 
@@ -416,7 +416,7 @@ def _label(r: dict) -> str:
     """The variant, with the loss and optimizer where they are not the defaults."""
     label = r["variant"] + (f" ({r['loss_impl']} loss)" if r.get("loss_impl", "chunked") != "chunked" else "")
     label += f" ({r['docs']} documents a sequence)" if r.get("docs", 1) != 1 else ""
-    label += f" ({r['packed_attention']} attention)" if r.get("packed_attention", "flex") != "flex" else ""
+    label += f" ({r['packed_attention']} attention)" if r.get("packed_attention", "sdpa") != "sdpa" else ""
     return label + (f" ({r['optim_impl']} AdamW)" if r.get("optim_impl", "auto") != "auto" else "")
 
 
@@ -468,7 +468,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--vocab", type=int, default=None, help="embedding rows (default: the preset's)")
     p.add_argument("--docs", type=int, nargs="+", default=[1],
                    help="documents packed in each sequence (position_ids restart at each); several: each count")
-    p.add_argument("--packed-attention", nargs="+", default=["flex"], choices=("flex", "sdpa"),
+    p.add_argument("--packed-attention", nargs="+", default=["sdpa"], choices=("flex", "sdpa"),
                    help="the attention of packed rows (train.packed_attention); several: every variant with each")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), metavar="VARIANT",
                    help=f"{', '.join(VARIANTS)}; modifiers: {', '.join('+' + m for m in MODIFIERS)} (see above)")

@@ -688,8 +688,8 @@ def test_packed_attention_kernel_matches_an_fp32_reference_on_cuda():
 
 @pytest.mark.parametrize("mode", ["eager", "compiled", "cudagraphs"])
 def test_packed_rows_train_alike_with_flex_and_dense_sdpa_on_cuda(mode):
-    """Rows of four documents: the trainer's default (`train.packed_attention: flex`) trains to the losses of
-    HF's SDPA with the dense mask, within BF16 rounding, with no host sync but HF's own."""
+    """Rows of four documents: `train.packed_attention: flex` trains to the losses of HF's SDPA with the dense
+    mask (the default), within BF16 rounding, with no host sync but HF's own."""
     from fp8train.bench import BenchCase, run_case
 
     res = {a: run_case(BenchCase("tiny-qwen2", None, 256, "hybrid", mode, 512, docs=4, packed_attention=a),

@@ -20,6 +20,8 @@ tests/test_gpu.py). Checkpoints do not record it (HF does not save the implement
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -46,15 +48,11 @@ def _flex(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kwargs)
     return _compiled_flex()(query, key, value, **kwargs)  # eager on CUDA: flex only runs fast compiled
 
 
-_COMPILED: list = []
-
-
+@functools.cache
 def _compiled_flex():
-    if not _COMPILED:
-        from torch.nn.attention.flex_attention import flex_attention
+    from torch.nn.attention.flex_attention import flex_attention
 
-        _COMPILED.append(torch.compile(flex_attention, dynamic=False))
-    return _COMPILED[0]
+    return torch.compile(flex_attention, dynamic=False)
 
 
 def _attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -289,7 +289,7 @@ def optimizer_step(optimizer: torch.optim.Optimizer, model_or_params: nn.Module 
     params = _params(model_or_params)
     total = gradient_norm(optimizer, params) if norm is None else norm
     value = float(total.item())
-    if not (skip or not math.isfinite(value)):
+    if not skip and math.isfinite(value):
         _clip_and_step(optimizer, params, max_norm, total)
     return value
 
@@ -315,9 +315,7 @@ def _clip_and_step(optimizer: torch.optim.Optimizer, params: list[torch.Tensor],
     gradient back; `TritonAdamW` leaves it unclipped). It divides where torch's clip multiplies by
     min(1, max_norm / (norm + 1e-6)): while clipping is active a clipped gradient can differ in its last bit;
     otherwise the scale is exactly 1. foreach AdamW (the CPU default): clip, then step."""
-    if not skips_on_device(optimizer):
-        if found_inf is not None:
-            raise ValueError("_clip_and_step: found_inf needs an optimizer that skips on the device")
+    if not skips_on_device(optimizer):  # found_inf is None here: optimizer_step_on_device refuses these
         if max_norm:
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
         optimizer.step()

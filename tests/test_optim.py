@@ -368,3 +368,24 @@ def test_restore_step_impl_keeps_the_built_step_across_a_checkpoint():
     assert fused.state[first]["step"].item() == 1 and fused.state[first]["step"].dtype == torch.float32
     fused.step()  # the fused step runs on the restored state
     assert fused.state[first]["step"].item() == 2
+
+
+def test_only_a_fused_step_skips_on_the_device():
+    """`optimizer_step_on_device` needs an optimizer that reads `found_inf` (torch's fused AdamW, TritonAdamW):
+    foreach AdamW is refused, with the function to use instead; with torch's fused AdamW a set flag leaves the
+    parameters and the step count as they were, and a clear one steps."""
+    from fp8train.train.optim import optimizer_step_on_device, skips_on_device
+
+    p = torch.nn.Parameter(torch.randn(8))
+    p.grad = torch.randn(8)
+    foreach = torch.optim.AdamW([p], foreach=True)
+    assert not skips_on_device(foreach)
+    with pytest.raises(ValueError, match="use optimizer_step"):
+        optimizer_step_on_device(foreach, [p], 1.0, p.grad.norm(), torch.ones(()))
+    fused = torch.optim.AdamW([p], fused=True)
+    before = p.detach().clone()
+    optimizer_step_on_device(fused, [p], 1.0, p.grad.norm(), torch.ones((), dtype=torch.bool))
+    assert torch.equal(p.detach(), before) and float(fused.state[p]["step"]) == 0
+    assert not hasattr(fused, "found_inf") and not hasattr(fused, "grad_scale")  # set for the one step only
+    optimizer_step_on_device(fused, [p], 1.0, p.grad.norm(), torch.zeros((), dtype=torch.bool))
+    assert not torch.equal(p.detach(), before) and float(fused.state[p]["step"]) == 1

@@ -67,7 +67,12 @@ def _bf16_gemm_in_fp32(device: torch.device) -> bool:
     kernel for it). There a [512, 151936] . [151936, 128] product took 40 s against 0.5 s in FP32 (an AVX2 EPYC,
     torch 2.13, one thread), so the head's GEMMs run in FP32 on the BF16 values instead: exact products, FP32
     accumulation and one rounding to BF16, as the BF16 GEMM computes, up to the order of the sums."""
-    return device.type == "cpu" and not torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+    return device.type == "cpu" and not _cpu_has_avx512()
+
+
+@functools.cache
+def _cpu_has_avx512() -> bool:  # asked once: the head's GEMMs ask for every chunk
+    return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 
 
 def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -79,7 +84,9 @@ def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def _linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """F.linear(x, w) of BF16 x [tokens, hidden] and w [vocab, hidden] (the plain path's op), as `_mm`."""
-    return _mm(x, w.t()) if _bf16_gemm_in_fp32(x.device) else F.linear(x, w)
+    if _bf16_gemm_in_fp32(x.device):
+        return x.float().mm(w.float().t()).to(x.dtype)
+    return F.linear(x, w)
 
 
 # ------------------------------------------------------------------------------ one chunk's gradient

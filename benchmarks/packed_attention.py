@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import json
 
 import torch
 import torch.nn.functional as F
+from _harness import append_jsonl  # a sibling: benchmarks/ is on sys.path
 
 SHAPES = {"qwen2.5-1.5b": (12, 2, 128), "qwen2.5-7b": (28, 4, 128)}  # query heads, key/value heads, head dim
 
@@ -140,10 +140,8 @@ def main(argv=None) -> list[dict]:
                 rows.append(row)
                 print(f"{model} {docs} docs of {length}: {impl:16s} {ms:8.3f} ms  {ms / floor:5.2f}x the causal "
                       f"floor  max |diff| {diff:.3g}", flush=True)
-    if args.out:
-        with open(args.out, "a") as f:
-            for r in rows:
-                f.write(json.dumps({**r, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}) + "\n")
+    for r in rows:
+        append_jsonl(args.out, {**r, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__})
     return rows
 
 

@@ -29,7 +29,10 @@ and what the step saves for backward by kind (FP8, BF16, FP32, the vocabulary-wi
 `cudagraphs`, whose replays allocate from the graphs' own pools, outside what the breakdown observes;
 `--top-kernels N` the N kernels with the most time, with their launches and time per launch; `--trace DIR`
 the profiled step's Chrome trace (chrome://tracing, Perfetto) of each variant, which
-`benchmarks/trace_gaps.py` reads for where the GPU idles.
+`benchmarks/trace_gaps.py` reads for where the GPU idles. `--docs N` packs N documents in each row
+(`position_ids` restart at each, as CPT's `document_masking` makes them), `--packed-attention` picks their
+attention; `--lora RANK` trains adapters on the frozen base (the trainer's `model.lora`, as `Trainer.fit` runs
+it); each is compared with a BF16 of the same setting.
 """
 
 from __future__ import annotations
@@ -94,8 +97,11 @@ class BenchCase:
     docs: int = 1
     """Documents packed in each sequence, of equal length (position_ids restart at each, as CPT's
     `document_masking` and SFT's packing make them): the model attends within each document only."""
-    packed_attention: str = "sdpa"
+    packed_attention: str = "flex"
     """The trainer's `train.packed_attention` (packed rows on CUDA): flex (block mask) or sdpa (dense mask)."""
+    lora: int = 0
+    """The trainer's `model.lora.rank`: 0 trains every parameter; r > 0 trains rank-r adapters on the seven
+    decoder projections of the frozen base (its FP8 weights made once, its own weights in host memory)."""
 
 
 def _kernel_events(prof):
@@ -277,6 +283,7 @@ def run_case(case: BenchCase, *, steps: int = 5, warmup: int = 2, device: str = 
     from .data import CptDataConfig
     from .fp8.convert import convert_to_fp8
     from .train.config import LoopConfig, TrainConfig
+    from .train.lora import LoraConfig
     from .train.metrics import flops_per_token, peak_tflops
     from .train.model import PRESETS, ModelConfig, build_model
     from .train.optim import OptimConfig
@@ -287,7 +294,7 @@ def run_case(case: BenchCase, *, steps: int = 5, warmup: int = 2, device: str = 
     base, custom = parse_variant(case.variant)
     torch._dynamo.reset()  # every case compiles afresh: no recompile limit, no shapes made dynamic by earlier cases
     vocab = case.vocab or (None if PRESETS[case.model]["vocab_size"] else 151936)
-    mcfg = ModelConfig(source=case.model, num_layers=case.layers, vocab_size=vocab)
+    mcfg = ModelConfig(source=case.model, num_layers=case.layers, vocab_size=vocab, lora=LoraConfig(rank=case.lora))
     torch.manual_seed(0)
     with torch.device(device):
         model = build_model(mcfg)
@@ -311,12 +318,14 @@ def run_case(case: BenchCase, *, steps: int = 5, warmup: int = 2, device: str = 
                                        packed_attention=case.packed_attention,
                                        activation_checkpointing=activation_checkpointing))
     trainer = Trainer(cfg, model=model, train_data=rows, val_data=None, progress=False)
+    frozen = contextlib.ExitStack()  # LoRA: the frozen base's FP8 weights made once, as `Trainer.fit` does
+    frozen.enter_context(trainer.frozen_base())
     cuda = device == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     # As the trainer's loop runs them: step i + 1 is enqueued before step i is read, so the device does not
     # wait for the host between steps. A step's time is from its start to the next one's, on the device's
     # clock (CUDA events; the host's elsewhere): whatever the device idles between them counts.
-    clock, losses, in_flight, host_syncs = [], [], None, []
+    clock, losses, in_flight = [], [], None
     sync()
     for i in range(warmup + steps):
         # CUDA graphs allocate their memory pool while recording, in the warm-up: their peak spans it
@@ -324,21 +333,25 @@ def run_case(case: BenchCase, *, steps: int = 5, warmup: int = 2, device: str = 
             torch.cuda.reset_peak_memory_stats()
         batches = trainer.next_micro_batches()
         clock.append(_now(cuda))
-        with _host_syncs(cuda and i >= warmup) as syncs:
-            current = trainer.enqueue_step(batches)
-        host_syncs += syncs
+        current = trainer.enqueue_step(batches)
         if in_flight is not None:
             losses.append(trainer.finish_step(in_flight)[0])
         in_flight = current
     clock.append(_now(cuda))
     losses.append(trainer.finish_step(in_flight)[0])
     sync()
+    # One more step, untimed, under torch's sync debug mode: its warnings cost host time the timed steps
+    # must not pay
+    batches = trainer.next_micro_batches()
+    with _host_syncs(cuda) as host_syncs:
+        in_flight = trainer.enqueue_step(batches)
+    trainer.finish_step(in_flight)
     times = [_seconds(a, b) for a, b in zip(clock, clock[1:])]
     timed_ms = [t * 1e3 for t in times[warmup:]]
     step_s = statistics.median(timed_ms) / 1e3
-    tflops = flops_per_token(model.config, seq) * seq / step_s / 1e12
+    tflops = flops_per_token(model.config, seq, weight_grads=not case.lora) * seq / step_s / 1e12
     res = {"model": case.model, "layers": model.config.num_hidden_layers, "seq": seq, "docs": case.docs,
-           "packed_attention": case.packed_attention,
+           "packed_attention": case.packed_attention, "lora": case.lora,
            "variant": case.variant,
            "loss_impl": case.loss_impl, "optim_impl": case.optim_impl, "mode": case.mode, "step_ms": step_s * 1e3,
            "step_ms_range": [min(timed_ms), max(timed_ms)], "tokens_per_s": seq / step_s, "tflops": tflops,
@@ -349,7 +362,7 @@ def run_case(case: BenchCase, *, steps: int = 5, warmup: int = 2, device: str = 
            "fp8_layers": fp8_layers if fp8_layers is not None else len(trainer.fp8_report.converted),
            "first_step_s": times[0],
            "skipped_steps": trainer.skipped_steps,  # non-finite steps skip the optimizer: not a valid timing
-           # where the host waited for the GPU while enqueueing a timed step (file:line; none expected)
+           # where the host waited for the GPU while enqueueing a step (file:line; none expected)
            "host_syncs": sorted(set(host_syncs))}
     if profile or top_kernels or trace_dir:
         from torch.profiler import ProfilerActivity
@@ -368,6 +381,7 @@ def run_case(case: BenchCase, *, steps: int = 5, warmup: int = 2, device: str = 
             res["trace"] = write_trace(prof, trace_dir, name)
     if memory and cuda and _memory_split_applies(case.mode):
         res["memory_gib"] = memory_breakdown(trainer, trainer.next_micro_batches())
+    frozen.close()
     del trainer, model, rows
     gc.collect()
     if cuda:
@@ -383,7 +397,7 @@ def _memory_split_applies(mode: str) -> bool:
 
 
 _CASE_KEYS = ("model", "layers", "seq", "mode")
-_SHAPE_KEYS = (*_CASE_KEYS, "loss_impl", "optim_impl", "docs", "packed_attention")  # a result's BF16 base shares all of these
+_SHAPE_KEYS = (*_CASE_KEYS, "loss_impl", "optim_impl", "docs", "packed_attention", "lora")  # a result's BF16 base shares all of these
 
 
 def _base(results: list[dict], r: dict) -> dict | None:
@@ -416,7 +430,8 @@ def _label(r: dict) -> str:
     """The variant, with the loss and optimizer where they are not the defaults."""
     label = r["variant"] + (f" ({r['loss_impl']} loss)" if r.get("loss_impl", "chunked") != "chunked" else "")
     label += f" ({r['docs']} documents a sequence)" if r.get("docs", 1) != 1 else ""
-    label += f" ({r['packed_attention']} attention)" if r.get("packed_attention", "sdpa") != "sdpa" else ""
+    label += f" ({r['packed_attention']} attention)" if r.get("packed_attention", "flex") != "flex" else ""
+    label += f" (LoRA r={r['lora']})" if r.get("lora") else ""
     return label + (f" ({r['optim_impl']} AdamW)" if r.get("optim_impl", "auto") != "auto" else "")
 
 
@@ -468,8 +483,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--vocab", type=int, default=None, help="embedding rows (default: the preset's)")
     p.add_argument("--docs", type=int, nargs="+", default=[1],
                    help="documents packed in each sequence (position_ids restart at each); several: each count")
-    p.add_argument("--packed-attention", nargs="+", default=["sdpa"], choices=("flex", "sdpa"),
+    p.add_argument("--packed-attention", nargs="+", default=["flex"], choices=("flex", "sdpa"),
                    help="the attention of packed rows (train.packed_attention); several: every variant with each")
+    p.add_argument("--lora", type=int, default=0, metavar="RANK",
+                   help="LoRA adapters of this rank on the frozen base (model.lora.rank; 0: full training)")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), metavar="VARIANT",
                    help=f"{', '.join(VARIANTS)}; modifiers: {', '.join('+' + m for m in MODIFIERS)} (see above)")
     p.add_argument("--modes", nargs="+", default=["compiled"], choices=MODES,
@@ -510,7 +527,7 @@ def main(args: argparse.Namespace | list[str] | None = None) -> int:
                         (i, v, loss, o, d, a) for i in range(args.rounds) for d in args.docs
                         for a in args.packed_attention for loss in args.loss_impl for o in args.optim_impl
                         for v in args.variants):
-                    case = BenchCase(name, layers, seq, variant, mode, args.vocab, loss, opt, docs, attn)
+                    case = BenchCase(name, layers, seq, variant, mode, args.vocab, loss, opt, docs, attn, args.lora)
                     try:
                         r = run_case(case, steps=args.steps, warmup=args.warmup, device=args.device,
                                      profile=args.profile and rnd == 0, activation_checkpointing=args.ac,

@@ -85,6 +85,27 @@ def test_packed_documents_restart_positions_and_are_attended_apart(capsys):
     assert table.count("| 1.000 |") == 2  # each BF16 is its own base, no row compared across counts
 
 
+def test_lora_trains_only_the_adapters_on_the_frozen_fp8_base(capsys):
+    """--lora RANK: the trainer's LoRA (adapters on the seven projections, the base frozen), as `Trainer.fit` runs
+    it (the base's FP8 weights made once, `Trainer.frozen_base`); labelled, matched to its own BF16, and its
+    TFLOP/s counted without the frozen weights' grad_weight GEMMs."""
+    from fp8train.bench import BenchCase, markdown_table, run_case
+    from fp8train.train.metrics import flops_per_token
+    from fp8train.train.model import ModelConfig, build_model
+
+    res = [run_case(BenchCase("tiny-qwen2", None, 64, v, "eager", 512, lora=r), steps=2, warmup=1, device="cpu")
+           for r in (0, 8) for v in ("bf16", "hybrid")]
+    assert [r["lora"] for r in res] == [0, 0, 8, 8] and res[3]["fp8_layers"] == 14
+    assert all(r["loss_last"] != r["loss_first"] for r in res)  # the adapters train
+    table = markdown_table(res)
+    assert "hybrid (LoRA r=8)" in table and table.count("| 1.000 |") == 2
+    cfg = build_model(ModelConfig(source="tiny-qwen2", vocab_size=512)).config
+    frozen, full = (flops_per_token(cfg, 64, weight_grads=w) for w in (False, True))
+    assert frozen < full
+    for r in res:
+        assert abs(r["tflops"] * 1e12 * r["step_ms"] / 1e3 / 64 - (frozen if r["lora"] else full)) < 1e-3 * full
+
+
 def test_a_failing_variant_is_reported_not_fatal(capsys):
     rc = main(["--models", "tiny-qwen2", "--vocab", "512", "--seq", "64", "--device", "cpu", "--variants",
                "torchao-rowwise", "--modes", "eager", "--steps", "1", "--warmup", "0"])

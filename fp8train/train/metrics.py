@@ -30,13 +30,15 @@ _PEAK_TFLOPS = {"H100": (989.0, 1979.0), "H200": (989.0, 1979.0), "H800": (989.0
                 "H20": (148.0, 296.0), "A100": (312.0, None), "L40S": (362.0, 733.0)}
 
 
-def flops_per_token(config, seq_len: int) -> float:
+def flops_per_token(config, seq_len: int, weight_grads: bool = True) -> float:
     """Training FLOPs per token (forward + backward = 3x forward) of an HF decoder config.
 
     6 x (the parameters that do matmuls: every decoder weight plus the LM head; the input embedding
     is a lookup and does not count, even when tied to the head) + the attention matmuls: QK^T and
     AV cost 2 x 2 x seq x heads x head_dim per token and layer in the forward pass, halved because
     causal attention (flash / SDPA) skips the masked upper triangle; x3 for training.
+    `weight_grads=False` (LoRA's frozen base): 4 x the parameters, no grad_weight GEMMs (the adapters'
+    own FLOPs, ~rank / hidden of the base's, are left out).
     """
     h, layers, vocab = config.hidden_size, config.num_hidden_layers, config.vocab_size
     heads = config.num_attention_heads
@@ -47,7 +49,7 @@ def flops_per_token(config, seq_len: int) -> float:
     mlp = 3 * h * ffn  # gate, up, down
     matmul_params = layers * (attn_proj + mlp) + vocab * h  # + LM head
     attention = 3 * 2 * 2 * layers * heads * head_dim * seq_len / 2
-    return 6.0 * matmul_params + attention
+    return (6.0 if weight_grads else 4.0) * matmul_params + attention
 
 
 def peak_tflops(device: torch.device, fp8: bool) -> float | None:

@@ -380,12 +380,8 @@ class Trainer:
     def fit(self) -> TrainResult:
         """Train to `total_steps`, evaluating, logging and checkpointing on the way; export final/."""
         result = TrainResult(self.run_dir, self.step)
-        lora = self.cfg.model.lora
         try:
-            # LoRA: the frozen base's FP8 weights are made once for the run, not every step
-            frozen = (freeze_fp8_weights(self.model, offload=lora.offload_base and self.device.type == "cuda")
-                      if lora.enabled else contextlib.nullcontext())
-            with frozen:
+            with self.frozen_base():
                 self._train_loop(result)
             if not result.losses:  # resumed a finished run: nothing to train, still report and export
                 result.val_loss = self.evaluate()
@@ -396,6 +392,14 @@ class Trainer:
         finally:
             self.logger.close()
         return result
+
+    def frozen_base(self) -> contextlib.AbstractContextManager:
+        """The context steps run in: with LoRA, the frozen base's FP8 weights made once, not every step (and
+        its high-precision weights in host memory while `offload_base`); else nothing."""
+        lora = self.cfg.model.lora
+        if not lora.enabled:
+            return contextlib.nullcontext()
+        return freeze_fp8_weights(self.model, offload=lora.offload_base and self.device.type == "cuda")
 
     def _train_loop(self, result: TrainResult) -> None:
         """Steps overlap: step N is read and logged after step N + 1 is enqueued, so the device never waits
@@ -422,7 +426,8 @@ class Trainer:
         result.losses[step.step] = loss
         throughput.add(step.tokens)
         if throughput.flops_per_token is None:
-            throughput.flops_per_token = flops_per_token(self.model.config, step.seq_len)
+            throughput.flops_per_token = flops_per_token(self.model.config, step.seq_len,
+                                                         weight_grads=not self.cfg.model.lora.enabled)
         if health:
             self.logger.log_health(step.step, health)
         if self._nonfinite_in_a_row:

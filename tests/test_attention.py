@@ -1,6 +1,6 @@
 """Packed-document attention (fp8train/train/attention.py) against Hugging Face's SDPA on the CPU: the same
 scores count, so a packed row's logits equal SDPA-with-the-dense-mask's, and a row of one document runs HF's
-own SDPA path bit for bit. Flex's backward and compiled kernels need CUDA: tests/test_gpu.py."""
+own SDPA path bit for bit; the masks the trainer makes on the host are HF's own. Flex's backward and compiled kernels need CUDA: tests/test_gpu.py."""
 
 import json
 
@@ -62,3 +62,78 @@ def test_a_peft_model_gets_it_on_its_base():
     wrapped = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
     use_packed_attention(wrapped)
     assert wrapped.get_base_model().config._attn_implementation == PACKED_ATTENTION
+
+
+def _positions(*lengths: int) -> torch.Tensor:
+    return torch.cat([torch.arange(n) for n in lengths])
+
+
+def test_document_masks_are_hfs_own_made_on_the_host():
+    """`document_masks` from the host's position_ids: for rows of one document None (HF skips the mask too),
+    for packed rows HF's own SDPA mask, boolean for boolean, and a block mask whose mask function allows exactly
+    those scores; the model's logits with the mapping equal those HF builds for itself, bit for bit."""
+    from torch.nn.attention.flex_attention import create_mask
+    from transformers.masking_utils import create_causal_mask
+
+    from fp8train.train.attention import document_masks
+
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(source="tiny-qwen2", vocab_size=300)).eval()
+    cpu = torch.device("cpu")
+    one = torch.arange(96).expand(2, -1)
+    packed = torch.stack([_positions(40, 30, 26), _positions(10, 86)])  # each row its own documents
+    assert document_masks(model.config, one, cpu) == {"full_attention": None}
+    ids = torch.randint(0, 300, (2, 96), generator=torch.Generator().manual_seed(1))
+    embeds = model.model.embed_tokens(ids)
+    for pos in (one, packed):
+        hf = create_causal_mask(config=model.config, inputs_embeds=embeds, attention_mask=None, cache=None,
+                                position_ids=pos)
+        ours = document_masks(model.config, pos, cpu)["full_attention"]
+        assert (hf is None and ours is None) or torch.equal(ours, hf)
+        with torch.no_grad():
+            want = model(input_ids=ids, position_ids=pos).logits
+            got = model(input_ids=ids, position_ids=pos,
+                        attention_mask=document_masks(model.config, pos, cpu)).logits
+        assert torch.equal(got, want)
+    dense = document_masks(model.config, packed, cpu)["full_attention"]
+    assert dense[1, 0, 20, 5].item() is False and dense[1, 0, 20, 15].item() is True  # row 2: documents 10 + 86
+    use_packed_attention(model)  # the mapping for the flex path: a block mask
+    block = document_masks(model.config, packed, cpu)["full_attention"]
+    assert torch.equal(create_mask(block.mask_mod, 2, 1, 96, 96, device="cpu"), dense)
+
+
+def test_document_masks_leave_other_attention_to_hf_and_refuse_gpu_positions():
+    from fp8train.train.attention import document_masks
+
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(source="tiny-qwen2", vocab_size=300))
+    config = model.config
+    assert document_masks(config, torch.arange(8)[None], torch.device("cpu")) == {"full_attention": None}
+    config._attn_implementation = "eager"  # its masks are additive floats: HF's to make
+    assert document_masks(config, torch.arange(8)[None], torch.device("cpu")) is None
+    config._attn_implementation = "sdpa"
+    config.layer_types = ["sliding_attention"] * len(config.layer_types)
+    assert document_masks(config, torch.arange(8)[None], torch.device("cpu")) is None
+    with pytest.raises(ValueError, match="host"):  # (meta stands for the GPU: any device but the host's)
+        document_masks(config, torch.arange(8, device="meta")[None], torch.device("cpu"))
+
+
+def test_the_trainer_trains_packed_rows_as_when_hf_builds_the_masks(monkeypatch):
+    """The trainer hands the model `document_masks`' mapping; with HF left to build its masks (the same function
+    patched to None) rows of four documents train to the same losses, bit for bit, and rows of one document too."""
+    from fp8train.bench import BenchCase, run_case
+    import fp8train.train.trainer as trainer_module
+
+    def losses(docs):
+        r = run_case(BenchCase("tiny-qwen2", None, 128, "hybrid", "eager", 300, docs=docs), steps=2, warmup=1,
+                     device="cpu")
+        return r["loss_first"], r["loss_last"]
+
+    made, real = [], trainer_module.document_masks
+    monkeypatch.setattr(trainer_module, "document_masks", lambda *args, **kwargs: made.append(real(*args, **kwargs))
+                        or made[-1])
+    ours = {d: losses(d) for d in (1, 4)}
+    assert {type(m["full_attention"]) for m in made} == {type(None), torch.Tensor}  # both kinds were handed over
+    monkeypatch.setattr(trainer_module, "document_masks", lambda *args, **kwargs: None)
+    hf = {d: losses(d) for d in (1, 4)}
+    assert ours == hf and ours[1] != ours[4]

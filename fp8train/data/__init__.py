@@ -7,7 +7,7 @@ called with these position ids, no attention mask and `use_cache=False` attends 
 """
 
 from .cpt import CptDataConfig, PackedDataset, build_cpt_datasets
-from .sampler import GlobalBatchSampler, collate, rank_slice
+from .sampler import GlobalBatchSampler, collate, host_to_device, rank_slice
 from .sft import SftDataConfig, SftStats, build_sft_datasets, read_sft_holdout
 from .sources import HfDatasetConfig
 from .tokenizer import CHATML_TEMPLATE, load_tokenizer
@@ -23,6 +23,7 @@ __all__ = [
     "build_cpt_datasets",
     "build_sft_datasets",
     "collate",
+    "host_to_device",
     "load_tokenizer",
     "rank_slice",
     "read_sft_holdout",

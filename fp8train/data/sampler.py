@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-__all__ = ["GlobalBatchSampler", "collate", "rank_slice"]
+__all__ = ["GlobalBatchSampler", "collate", "host_to_device", "rank_slice"]
 
 
 class GlobalBatchSampler:
@@ -93,3 +93,12 @@ def collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         if s.keys() != keys:
             raise ValueError(f"collate: sample {k} has keys {sorted(s)}, sample 0 has {sorted(keys)}")
     return {key: torch.stack([s[key] for s in samples]).long() for key in keys}
+
+
+def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`t` (on the host) on `device`, without the host waiting for the device: to CUDA through pinned memory
+    (torch keeps the pinned block until the copy is done), since a copy from pageable memory may wait for the
+    work queued before it."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)

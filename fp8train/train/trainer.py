@@ -23,7 +23,7 @@ import torch
 import yaml
 from torch import nn
 
-from ..data import GlobalBatchSampler, build_cpt_datasets, build_sft_datasets, collate, rank_slice
+from ..data import GlobalBatchSampler, build_cpt_datasets, build_sft_datasets, collate, host_to_device, rank_slice
 from ..fp8.convert import cache_fp8_weights, convert_to_fp8, freeze_fp8_weights
 from ..fp8.health import track_fp8_health
 from ..fp8.gemm import load_deep_gemm
@@ -31,7 +31,7 @@ from ..fp8.recipe import make_recipe
 from ..export import export_hf
 from ..threads import cpu_threads
 from .adamw import read_later
-from .attention import use_packed_attention
+from .attention import document_masks, use_packed_attention
 from .checkpoint import find_latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainConfig, config_to_dict
 from .distributed import World
@@ -253,7 +253,16 @@ class Trainer:
     # ------------------------------------------------------------------------------------------ steps
 
     def _to_device(self, batch: dict) -> dict:
-        return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+        """The batch on the device (copied from pinned memory: a copy from pageable memory may wait for the
+        device), with the attention masks made from its host-side `position_ids` (`document_masks`), which HF
+        would otherwise read back from the GPU in every forward."""
+        masks = None
+        if "position_ids" in batch and "attention_mask" not in batch:
+            masks = document_masks(self.model.config, batch["position_ids"], self.device)
+        out = {k: host_to_device(v, self.device) for k, v in batch.items()}
+        if masks is not None:
+            out["attention_mask"] = masks
+        return out
 
     def next_micro_batches(self) -> list[dict]:
         """The next global batch of the sampler: this rank's micro-batches, as `train_step` takes them."""
@@ -284,8 +293,8 @@ class Trainer:
         """
         world = self.world
         self._mark_step()
-        # non_blocking: a blocking copy to the device would wait for everything already queued on it
-        n_targets = world.all_reduce_sum(sum(_count_targets(b) for b in batches).to(self.device, non_blocking=True))
+        # (a blocking copy to the device would wait for everything already queued on it)
+        n_targets = world.all_reduce_sum(host_to_device(sum(_count_targets(b) for b in batches), self.device))
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
         health: dict = {}

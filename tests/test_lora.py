@@ -182,7 +182,8 @@ def test_trainer_quantizes_the_frozen_base_once(tmp_path, byte_tokenizer, corpus
 
 def test_lora_config_errors_name_the_key(tmp_path, byte_tokenizer, corpus):
     for key, value, match in (("model.lora.rank", -1, "model.lora.rank"), ("model.lora.dropout", 1.5, "model.lora.dropout"),
-                              ("model.lora.alpha", 0, "model.lora.alpha"), ("model.lora.rnak", 4, "model.lora.rank")):
+                              ("model.lora.alpha", 0, "model.lora.alpha"), ("model.lora.rnak", 4, "model.lora.rank"),
+                              ("model.lora.base_dtype", "fp16", "model.lora.base_dtype")):
         with pytest.raises(ConfigError, match=match):
             _config(tmp_path, byte_tokenizer, corpus, **{key: value})
     cfg = _config(tmp_path, byte_tokenizer, corpus, **{"model.lora.target_modules": "[q_proj,nope]"})
@@ -192,6 +193,22 @@ def test_lora_config_errors_name_the_key(tmp_path, byte_tokenizer, corpus):
     with pytest.raises(ValueError, match="model.lora.rank.*FSDP"):
         apply_lora(build_model(cfg.model, tok), LoraConfig(rank=4), sharded=True)
     assert load_config(None, {"stage": "cpt", "data": {"paths": ["x"]}, "train": {"steps": 1}}).model.lora.rank == 0
+
+
+def test_the_frozen_base_is_held_in_bf16_unless_asked_for_fp32():
+    """`model.lora.base_dtype`: bf16 (the default) rounds every frozen parameter to BF16 once; fp32 keeps the FP32
+    masters; the adapters are FP32 masters either way."""
+    from fp8train.train.model import ModelConfig
+
+    for dtype, want in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        torch.manual_seed(0)
+        plain = build_model(ModelConfig(source="tiny-qwen2", vocab_size=300))
+        initial = {n: p.detach().clone() for n, p in plain.named_parameters()}
+        model = apply_lora(plain, LoraConfig(rank=4, base_dtype=dtype))
+        frozen = {n: p for n, p in model.get_base_model().named_parameters() if not p.requires_grad}
+        assert frozen and all(p.dtype == want for p in frozen.values())
+        assert all(torch.equal(p, initial[n.replace(".base_layer", "")].to(want)) for n, p in frozen.items())
+        assert all(p.dtype == torch.float32 for p in model.parameters() if p.requires_grad)
 
 
 def test_lora_gpu_benchmark_script_runs_on_cpu(tmp_path):

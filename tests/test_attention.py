@@ -1,6 +1,6 @@
 """Packed-document attention (fp8train/train/attention.py) against Hugging Face's SDPA on the CPU: the same
 scores count, so a packed row's logits equal SDPA-with-the-dense-mask's, and a row of one document runs HF's
-own SDPA path bit for bit; the masks the trainer makes on the host are HF's own. Flex's backward and compiled kernels need CUDA: tests/test_gpu.py."""
+own SDPA path bit for bit; the masks the trainer makes on the host for packed rows are HF's own. Flex's backward and compiled kernels need CUDA: tests/test_gpu.py."""
 
 import json
 
@@ -68,59 +68,56 @@ def _positions(*lengths: int) -> torch.Tensor:
     return torch.cat([torch.arange(n) for n in lengths])
 
 
-def test_document_masks_are_hfs_own_made_on_the_host():
-    """`document_masks` from the host's position_ids: for rows of one document None (HF skips the mask too),
-    for packed rows HF's own SDPA mask, boolean for boolean, and a block mask whose mask function allows exactly
-    those scores; the model's logits with the mapping equal those HF builds for itself, bit for bit."""
+@pytest.mark.parametrize("source", ["tiny-qwen2", "tiny-llama"])
+def test_document_mask_is_hfs_own_made_on_the_host(source):
+    """`document_mask` from the host's position_ids: None for rows of one document (HF's own path), for packed
+    rows HF's own SDPA mask, boolean for boolean, and under flex a block mask whose mask function allows exactly
+    those scores; the model's logits with it equal those HF builds for itself, bit for bit (Qwen2 and Llama)."""
     from torch.nn.attention.flex_attention import create_mask
     from transformers.masking_utils import create_causal_mask
 
-    from fp8train.train.attention import document_masks
+    from fp8train.train.attention import document_mask
 
     torch.manual_seed(0)
-    model = build_model(ModelConfig(source="tiny-qwen2", vocab_size=300)).eval()
+    model = build_model(ModelConfig(source=source, vocab_size=300)).eval()
     cpu = torch.device("cpu")
     one = torch.arange(96).expand(2, -1)
     packed = torch.stack([_positions(40, 30, 26), _positions(10, 86)])  # each row its own documents
-    assert document_masks(model.config, one, cpu) == {"full_attention": None}
+    assert document_mask(model.config, one, cpu) is None
     ids = torch.randint(0, 300, (2, 96), generator=torch.Generator().manual_seed(1))
-    embeds = model.model.embed_tokens(ids)
-    for pos in (one, packed):
-        hf = create_causal_mask(config=model.config, inputs_embeds=embeds, attention_mask=None, cache=None,
-                                position_ids=pos)
-        ours = document_masks(model.config, pos, cpu)["full_attention"]
-        assert (hf is None and ours is None) or torch.equal(ours, hf)
-        with torch.no_grad():
-            want = model(input_ids=ids, position_ids=pos).logits
-            got = model(input_ids=ids, position_ids=pos,
-                        attention_mask=document_masks(model.config, pos, cpu)).logits
-        assert torch.equal(got, want)
-    dense = document_masks(model.config, packed, cpu)["full_attention"]
+    hf = create_causal_mask(config=model.config, inputs_embeds=model.model.embed_tokens(ids), attention_mask=None,
+                            cache=None, position_ids=packed)
+    dense = document_mask(model.config, packed, cpu)
+    assert torch.equal(dense, hf)
     assert dense[1, 0, 20, 5].item() is False and dense[1, 0, 20, 15].item() is True  # row 2: documents 10 + 86
-    use_packed_attention(model)  # the mapping for the flex path: a block mask
-    block = document_masks(model.config, packed, cpu)["full_attention"]
+    with torch.no_grad():
+        want = model(input_ids=ids, position_ids=packed).logits
+        got = model(input_ids=ids, position_ids=packed, attention_mask=dense).logits
+    assert torch.equal(got, want)
+    use_packed_attention(model)  # the mask of the flex path: a block mask
+    block = document_mask(model.config, packed, cpu)
     assert torch.equal(create_mask(block.mask_mod, 2, 1, 96, 96, device="cpu"), dense)
 
 
-def test_document_masks_leave_other_attention_to_hf_and_refuse_gpu_positions():
-    from fp8train.train.attention import document_masks
+def test_document_mask_leaves_other_attention_to_hf_and_refuses_gpu_positions():
+    from fp8train.train.attention import document_mask
 
     torch.manual_seed(0)
-    model = build_model(ModelConfig(source="tiny-qwen2", vocab_size=300))
-    config = model.config
-    assert document_masks(config, torch.arange(8)[None], torch.device("cpu")) == {"full_attention": None}
+    config = build_model(ModelConfig(source="tiny-qwen2", vocab_size=300)).config
+    packed = _positions(4, 4)[None]
+    assert document_mask(config, packed, torch.device("cpu")) is not None
     config._attn_implementation = "eager"  # its masks are additive floats: HF's to make
-    assert document_masks(config, torch.arange(8)[None], torch.device("cpu")) is None
+    assert document_mask(config, packed, torch.device("cpu")) is None
     config._attn_implementation = "sdpa"
-    config.layer_types = ["sliding_attention"] * len(config.layer_types)
-    assert document_masks(config, torch.arange(8)[None], torch.device("cpu")) is None
+    config.layer_types = ["sliding_attention"] * len(config.layer_types)  # one 4-D mask would serve every layer
+    assert document_mask(config, packed, torch.device("cpu")) is None
     with pytest.raises(ValueError, match="host"):  # (meta stands for the GPU: any device but the host's)
-        document_masks(config, torch.arange(8, device="meta")[None], torch.device("cpu"))
+        document_mask(config, packed.to("meta"), torch.device("cpu"))
 
 
 def test_the_trainer_trains_packed_rows_as_when_hf_builds_the_masks(monkeypatch):
-    """The trainer hands the model `document_masks`' mapping; with HF left to build its masks (the same function
-    patched to None) rows of four documents train to the same losses, bit for bit, and rows of one document too."""
+    """The trainer hands the model `document_mask`'s mask for packed rows; with HF left to build it (the same
+    function patched to None) rows of four documents train to the same losses, bit for bit."""
     from fp8train.bench import BenchCase, run_case
     import fp8train.train.trainer as trainer_module
 
@@ -129,11 +126,10 @@ def test_the_trainer_trains_packed_rows_as_when_hf_builds_the_masks(monkeypatch)
                      device="cpu")
         return r["loss_first"], r["loss_last"]
 
-    made, real = [], trainer_module.document_masks
-    monkeypatch.setattr(trainer_module, "document_masks", lambda *args, **kwargs: made.append(real(*args, **kwargs))
-                        or made[-1])
+    made, real = [], trainer_module.document_mask
+    monkeypatch.setattr(trainer_module, "document_mask", lambda *args: made.append(real(*args)) or made[-1])
     ours = {d: losses(d) for d in (1, 4)}
-    assert {type(m["full_attention"]) for m in made} == {type(None), torch.Tensor}  # both kinds were handed over
-    monkeypatch.setattr(trainer_module, "document_masks", lambda *args, **kwargs: None)
+    assert {type(m) for m in made} == {type(None), torch.Tensor}  # one document: HF's path; packed: ours
+    monkeypatch.setattr(trainer_module, "document_mask", lambda *args: None)
     hf = {d: losses(d) for d in (1, 4)}
     assert ours == hf and ours[1] != ours[4]

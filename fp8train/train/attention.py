@@ -17,10 +17,11 @@ Only the attention kernel changes: which scores count is HF's mask function eith
 output equals SDPA-with-the-dense-mask up to the kernels' BF16 rounding (tests/test_attention.py,
 tests/test_gpu.py). Checkpoints do not record it (HF does not save the implementation in config.json).
 
-`document_masks` makes those same masks from the host's copy of a batch's `position_ids`, for the trainer to
-pass as the model's `attention_mask` mapping. HF, left to build them, asks the GPU in every forward whether the
-rows hold several documents (`find_packed_sequence_indices`), which makes the host wait for the step before;
-the host knows already.
+`document_mask` makes that same mask for packed rows from the host's copy of a batch's `position_ids`, for the
+trainer to pass as the model's `attention_mask` (a 4-D mask, which every HF model takes as it is). HF, left to
+build it, asks the GPU in every forward whether the rows hold several documents (`find_packed_sequence_indices`),
+which makes the host wait for the step before; the host knows already. (Rows of one document still go through
+HF's check: None is the only mask that means causal, and HF checks every None.)
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from torch import nn
 
 from ..data.sampler import host_to_device
 
-__all__ = ["PACKED_ATTENTION", "use_packed_attention", "document_masks"]
+__all__ = ["PACKED_ATTENTION", "use_packed_attention", "document_mask"]
 
 PACKED_ATTENTION = "fp8train_sdpa_flex"
 
@@ -90,18 +91,16 @@ def _compiled_block_mask():
     return torch.compile(create_block_mask)  # never materializes the [S, S] mask
 
 
-def document_masks(config, position_ids: torch.Tensor, device: torch.device) -> dict | None:
-    """The `attention_mask` mapping (`{"full_attention": mask}`) that HF's model of `config` would build for a
-    batch, made from `position_ids` [B, S] on the host, without waiting for the GPU; None where HF must build it
-    itself (attention other than `sdpa` or `PACKED_ATTENTION`; layers other than full attention, such as sliding
-    windows).
+def document_mask(config, position_ids: torch.Tensor, device: torch.device):
+    """The attention mask that HF's model of `config` would build for a batch of packed rows, made from
+    `position_ids` [B, S] on the host without waiting for the GPU: under `PACKED_ATTENTION` a `BlockMask`, else
+    HF's SDPA mask, dense [B, 1, S, S] booleans. None where HF builds the mask itself: rows of one document
+    each, attention other than `sdpa` or `PACKED_ATTENTION`, layers other than full attention (sliding windows).
 
-    Documents start where a position is not the one before plus one (HF's `find_packed_sequence_indices`). Rows of
-    one document: None, SDPA's causal kernel (HF skips the mask too). Packed rows: under `PACKED_ATTENTION` a
-    `BlockMask`, else HF's SDPA mask, dense [B, 1, S, S] booleans.
+    Documents start where a position is not the one before plus one (HF's `find_packed_sequence_indices`).
     """
     if position_ids.device.type != "cpu":
-        raise ValueError("document_masks: position_ids must be the host's copy (reading the GPU's would wait)")
+        raise ValueError("document_mask: position_ids must be the host's copy (reading the GPU's would wait)")
     impl = getattr(config, "_attn_implementation", None)
     if impl not in ("sdpa", PACKED_ATTENTION) or \
             set(getattr(config, "layer_types", None) or ["full_attention"]) != {"full_attention"}:
@@ -109,16 +108,16 @@ def document_masks(config, position_ids: torch.Tensor, device: torch.device) -> 
     first = position_ids[:, :1] - 1
     doc = (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
     if not doc[:, -1].any():
-        return {"full_attention": None}
+        return None
     doc = host_to_device(doc, device)
     b, s = doc.shape
     if impl == PACKED_ATTENTION:
         from torch.nn.attention.flex_attention import create_block_mask
 
         make = _compiled_block_mask() if device.type == "cuda" else create_block_mask
-        return {"full_attention": make(_same_document_causal(doc), b, None, s, s, device=device)}
+        return make(_same_document_causal(doc), b, None, s, s, device=device)
     causal = torch.ones(s, s, dtype=torch.bool, device=device).tril()
-    return {"full_attention": (causal & (doc[:, :, None] == doc[:, None, :]))[:, None]}
+    return (causal & (doc[:, :, None] == doc[:, None, :]))[:, None]
 
 
 def _register() -> None:

@@ -31,7 +31,7 @@ from ..fp8.recipe import make_recipe
 from ..export import export_hf
 from ..threads import cpu_threads
 from .adamw import read_later
-from .attention import document_masks, use_packed_attention
+from .attention import document_mask, use_packed_attention
 from .checkpoint import find_latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainConfig, config_to_dict
 from .distributed import World
@@ -254,14 +254,14 @@ class Trainer:
 
     def _to_device(self, batch: dict) -> dict:
         """The batch on the device (copied from pinned memory: a copy from pageable memory may wait for the
-        device), with the attention masks made from its host-side `position_ids` (`document_masks`), which HF
-        would otherwise read back from the GPU in every forward."""
-        masks = None
+        device), with the attention mask of packed rows made from its host-side `position_ids` (`document_mask`),
+        which HF would otherwise read back from the GPU in every forward."""
+        mask = None
         if "position_ids" in batch and "attention_mask" not in batch:
-            masks = document_masks(self.model.config, batch["position_ids"], self.device)
+            mask = document_mask(self.model.config, batch["position_ids"], self.device)
         out = {k: host_to_device(v, self.device) for k, v in batch.items()}
-        if masks is not None:
-            out["attention_mask"] = masks
+        if mask is not None:
+            out["attention_mask"] = mask
         return out
 
     def next_micro_batches(self) -> list[dict]:

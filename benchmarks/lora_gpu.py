@@ -18,6 +18,10 @@ DeepGEMM's kernel). Printed per recipe: ms/step and tokens/s (median over the st
 dynamo compiled: frames compiled, and recompilations with their first reasons (the target: none per step).
 `--profile` adds the CUDA kernel time of one more step by `fp8train bench`'s categories (`--top-kernels N`:
 and its N slowest kernels; `--trace DIR`: its Chrome trace).
+
+This script is the path of a user who brings a PEFT model (its own loop, HF's full-logits loss, each step
+timed between two synchronizations). `fp8train bench --lora 16` measures fp8train's own trainer with
+`model.lora`, as `fp8train train` runs it (chunked loss, overlapped steps).
 """
 
 from __future__ import annotations

@@ -97,17 +97,18 @@ def document_mask(config, position_ids: torch.Tensor, device: torch.device):
     HF's SDPA mask, dense [B, 1, S, S] booleans. None where HF builds the mask itself: rows of one document
     each, attention other than `sdpa` or `PACKED_ATTENTION`, layers other than full attention (sliding windows).
 
-    Documents start where a position is not the one before plus one (HF's `find_packed_sequence_indices`).
+    The documents are HF's own (`find_packed_sequence_indices`, on the host's copy: no GPU read).
     """
+    from transformers.masking_utils import find_packed_sequence_indices
+
     if position_ids.device.type != "cpu":
         raise ValueError("document_mask: position_ids must be the host's copy (reading the GPU's would wait)")
     impl = getattr(config, "_attn_implementation", None)
     if impl not in ("sdpa", PACKED_ATTENTION) or \
             set(getattr(config, "layer_types", None) or ["full_attention"]) != {"full_attention"}:
         return None
-    first = position_ids[:, :1] - 1
-    doc = (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
-    if not doc[:, -1].any():
+    doc = find_packed_sequence_indices(position_ids)  # None: one document a row
+    if doc is None:
         return None
     doc = host_to_device(doc, device)
     b, s = doc.shape

@@ -84,9 +84,7 @@ def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def _linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """F.linear(x, w) of BF16 x [tokens, hidden] and w [vocab, hidden] (the plain path's op), as `_mm`."""
-    if _bf16_gemm_in_fp32(x.device):
-        return x.float().mm(w.float().t()).to(x.dtype)
-    return F.linear(x, w)
+    return _mm(x, w.t()) if _bf16_gemm_in_fp32(x.device) else F.linear(x, w)
 
 
 # ------------------------------------------------------------------------------ one chunk's gradient

@@ -284,7 +284,6 @@ def run_case(case: BenchCase, *, steps: int = 5, warmup: int = 2, device: str = 
     from .fp8.convert import convert_to_fp8
     from .train.config import LoopConfig, TrainConfig
     from .train.lora import LoraConfig
-    from .train.metrics import flops_per_token, peak_tflops
     from .train.model import PRESETS, ModelConfig, build_model
     from .train.optim import OptimConfig
     from .train.trainer import Trainer
@@ -318,9 +317,20 @@ def run_case(case: BenchCase, *, steps: int = 5, warmup: int = 2, device: str = 
                                        packed_attention=case.packed_attention,
                                        activation_checkpointing=activation_checkpointing))
     trainer = Trainer(cfg, model=model, train_data=rows, val_data=None, progress=False)
-    frozen = contextlib.ExitStack()  # LoRA: the frozen base's FP8 weights made once, as `Trainer.fit` does
-    frozen.enter_context(trainer.frozen_base())
     cuda = device == "cuda"
+    with trainer.frozen_base():  # LoRA: the frozen base's FP8 weights made once, as `Trainer.fit` does
+        res = _measure(trainer, case, model.config, fp8_layers, steps=steps, warmup=warmup, cuda=cuda,
+                       profile=profile, memory=memory, top_kernels=top_kernels, trace_dir=trace_dir)
+    del trainer, model, rows
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    return res
+
+
+def _time_steps(trainer, mode: str, steps: int, warmup: int, cuda: bool) -> tuple[list[float], list[float], list[str]]:
+    """Run `warmup + steps` steps as the trainer's loop runs them; their times (s), losses, and where an extra
+    untimed step made the host wait for the GPU."""
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     # As the trainer's loop runs them: step i + 1 is enqueued before step i is read, so the device does not
     # wait for the host between steps. A step's time is from its start to the next one's, on the device's
@@ -329,7 +339,7 @@ def run_case(case: BenchCase, *, steps: int = 5, warmup: int = 2, device: str = 
     sync()
     for i in range(warmup + steps):
         # CUDA graphs allocate their memory pool while recording, in the warm-up: their peak spans it
-        if cuda and i == (0 if case.mode == "cudagraphs" else warmup):
+        if cuda and i == (0 if mode == "cudagraphs" else warmup):
             torch.cuda.reset_peak_memory_stats()
         batches = trainer.next_micro_batches()
         clock.append(_now(cuda))
@@ -347,10 +357,22 @@ def run_case(case: BenchCase, *, steps: int = 5, warmup: int = 2, device: str = 
         in_flight = trainer.enqueue_step(batches)
     trainer.finish_step(in_flight)
     times = [_seconds(a, b) for a, b in zip(clock, clock[1:])]
+    return times, losses, host_syncs
+
+
+def _measure(trainer, case: BenchCase, config, fp8_layers: int | None, *, steps: int, warmup: int, cuda: bool,
+             profile: bool, memory: bool, top_kernels: int, trace_dir: str | None) -> dict:
+    """`run_case`'s measurements of a built trainer (its frozen base made, for LoRA)."""
+    from .train.metrics import flops_per_token, peak_tflops
+
+    device = "cuda" if cuda else "cpu"
+    seq = case.seq
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    times, losses, host_syncs = _time_steps(trainer, case.mode, steps, warmup, cuda)
     timed_ms = [t * 1e3 for t in times[warmup:]]
     step_s = statistics.median(timed_ms) / 1e3
-    tflops = flops_per_token(model.config, seq, weight_grads=not case.lora) * seq / step_s / 1e12
-    res = {"model": case.model, "layers": model.config.num_hidden_layers, "seq": seq, "docs": case.docs,
+    tflops = flops_per_token(config, seq, weight_grads=not case.lora) * seq / step_s / 1e12
+    res = {"model": case.model, "layers": config.num_hidden_layers, "seq": seq, "docs": case.docs,
            "packed_attention": case.packed_attention, "lora": case.lora,
            "variant": case.variant,
            "loss_impl": case.loss_impl, "optim_impl": case.optim_impl, "mode": case.mode, "step_ms": step_s * 1e3,
@@ -381,11 +403,6 @@ def run_case(case: BenchCase, *, steps: int = 5, warmup: int = 2, device: str = 
             res["trace"] = write_trace(prof, trace_dir, name)
     if memory and cuda and _memory_split_applies(case.mode):
         res["memory_gib"] = memory_breakdown(trainer, trainer.next_micro_batches())
-    frozen.close()
-    del trainer, model, rows
-    gc.collect()
-    if cuda:
-        torch.cuda.empty_cache()
     return res
 
 

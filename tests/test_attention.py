@@ -1,6 +1,6 @@
 """Packed-document attention (fp8train/train/attention.py) against Hugging Face's SDPA on the CPU: the same
 scores count, so a packed row's logits equal SDPA-with-the-dense-mask's, and a row of one document runs HF's
-own SDPA path bit for bit; the masks the trainer makes on the host for packed rows are HF's own. Flex's backward and compiled kernels need CUDA: tests/test_gpu.py."""
+own SDPA path bit for bit; the masks the trainer makes on the host are HF's own. Flex's backward and compiled kernels need CUDA: tests/test_gpu.py."""
 
 import json
 
@@ -97,6 +97,34 @@ def test_document_mask_is_hfs_own_made_on_the_host(source):
     use_packed_attention(model)  # the mask of the flex path: a block mask
     block = document_mask(model.config, packed, cpu)
     assert torch.equal(create_mask(block.mask_mod, 2, 1, 96, 96, device="cpu"), dense)
+
+
+def test_rows_of_one_document_get_a_causal_block_mask_that_runs_hfs_sdpa_path(monkeypatch):
+    """Under `PACKED_ATTENTION`, `document_mask` gives rows of one document the causal block mask (one object
+    per length), which HF takes as a prepared mask without looking at `position_ids` (its check made to fail
+    here) and the attention runs as HF's SDPA path with no mask: the logits equal plain SDPA's bit for bit."""
+    import transformers.masking_utils
+    from torch.nn.attention.flex_attention import BlockMask, create_mask
+
+    from fp8train.train.attention import document_mask
+
+    ref, new = _pair()
+    cpu = torch.device("cpu")
+    one = torch.arange(96).expand(2, -1)
+    mask = document_mask(new.config, one, cpu)
+    assert isinstance(mask, BlockMask) and mask is document_mask(new.config, torch.arange(96)[None], cpu)
+    assert torch.equal(create_mask(mask.mask_mod, 1, 1, 96, 96, device="cpu")[0, 0],
+                       torch.ones(96, 96, dtype=torch.bool).tril())
+    ids = torch.randint(0, 300, (2, 96), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = ref(input_ids=ids, position_ids=one).logits
+
+        def no_check(position_ids):
+            raise AssertionError("HF checked position_ids")
+
+        monkeypatch.setattr(transformers.masking_utils, "find_packed_sequence_indices", no_check)
+        got = new(input_ids=ids, position_ids=one, attention_mask=mask).logits
+    assert torch.equal(got, want)
 
 
 def test_document_mask_leaves_other_attention_to_hf_and_refuses_gpu_positions():

@@ -17,11 +17,12 @@ Only the attention kernel changes: which scores count is HF's mask function eith
 output equals SDPA-with-the-dense-mask up to the kernels' BF16 rounding (tests/test_attention.py,
 tests/test_gpu.py). Checkpoints do not record it (HF does not save the implementation in config.json).
 
-`document_mask` makes that same mask for packed rows from the host's copy of a batch's `position_ids`, for the
-trainer to pass as the model's `attention_mask` (a 4-D mask, which every HF model takes as it is). HF, left to
-build it, asks the GPU in every forward whether the rows hold several documents (`find_packed_sequence_indices`),
-which makes the host wait for the step before; the host knows already. (Rows of one document still go through
-HF's check: None is the only mask that means causal, and HF checks every None.)
+`document_mask` makes that same mask from the host's copy of a batch's `position_ids`, for the trainer to pass
+as the model's `attention_mask` (a 4-D mask, which every HF model takes as it is). HF, left to build it, asks
+the GPU in every forward whether the rows hold several documents (`find_packed_sequence_indices`), which makes
+the host wait for the step before; the host knows already. Rows of one document get, under `PACKED_ATTENTION`,
+one causal `BlockMask` (made once per length), which the attention above runs as HF's SDPA path with no mask
+(`is_causal`); under plain `sdpa` they still go through HF's check, since None is its only causal mask.
 """
 
 from __future__ import annotations
@@ -69,14 +70,29 @@ def _attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value:
     from torch.nn.attention.flex_attention import BlockMask
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    if not isinstance(attention_mask, BlockMask):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
+    if not isinstance(attention_mask, BlockMask) or attention_mask.mask_mod is _causal:
+        # HF's SDPA path; `document_mask`'s causal BlockMask (rows of one document) stands for its None
+        mask = None if isinstance(attention_mask, BlockMask) else attention_mask
+        return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
     if dropout:
         raise ValueError("packed-document attention (flex) has no dropout; set the model's attention_dropout to 0")
     out = _flex(query, key, value, block_mask=attention_mask, scale=scaling,
                 enable_gqa=query.shape[1] != key.shape[1])
     return out.transpose(1, 2).contiguous(), None
+
+
+def _causal(b, h, q, kv):
+    return q >= kv
+
+
+@functools.cache
+def _causal_block_mask(s: int, device: torch.device):
+    """The causal mask of rows of `s` tokens as a `BlockMask` (any batch size): `_attention` runs it as SDPA's
+    `is_causal`, HF takes it as a prepared 4-D mask (no check of `position_ids`)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    make = _compiled_block_mask() if device.type == "cuda" else create_block_mask
+    return make(_causal, None, None, s, s, device=device)
 
 
 def _same_document_causal(doc: torch.Tensor):
@@ -92,10 +108,12 @@ def _compiled_block_mask():
 
 
 def document_mask(config, position_ids: torch.Tensor, device: torch.device):
-    """The attention mask that HF's model of `config` would build for a batch of packed rows, made from
-    `position_ids` [B, S] on the host without waiting for the GPU: under `PACKED_ATTENTION` a `BlockMask`, else
-    HF's SDPA mask, dense [B, 1, S, S] booleans. None where HF builds the mask itself: rows of one document
-    each, attention other than `sdpa` or `PACKED_ATTENTION`, layers other than full attention (sliding windows).
+    """The attention mask that HF's model of `config` would build for a batch of rows, made from `position_ids`
+    [B, S] on the host without waiting for the GPU: under `PACKED_ATTENTION` a `BlockMask` (rows of one
+    document each: the causal one, which `_attention` runs as HF's SDPA path with no mask), else for packed rows
+    HF's SDPA mask, dense [B, 1, S, S] booleans. None where HF builds the mask itself: rows of one document each
+    under `sdpa`, attention other than `sdpa` or `PACKED_ATTENTION`, layers other than full attention (sliding
+    windows).
 
     The documents are HF's own (`find_packed_sequence_indices`, on the host's copy: no GPU read).
     """
@@ -109,7 +127,7 @@ def document_mask(config, position_ids: torch.Tensor, device: torch.device):
         return None
     doc = find_packed_sequence_indices(position_ids)  # None: one document a row
     if doc is None:
-        return None
+        return _causal_block_mask(position_ids.shape[-1], device) if impl == PACKED_ATTENTION else None
     doc = host_to_device(doc, device)
     b, s = doc.shape
     if impl == PACKED_ATTENTION:

@@ -365,7 +365,6 @@ def _measure(trainer, case: BenchCase, config, fp8_layers: int | None, *, steps:
     """`run_case`'s measurements of a built trainer (its frozen base made, for LoRA)."""
     from .train.metrics import flops_per_token, peak_tflops
 
-    device = "cuda" if cuda else "cpu"
     seq = case.seq
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     times, losses, host_syncs = _time_steps(trainer, case.mode, steps, warmup, cuda)
@@ -378,7 +377,7 @@ def _measure(trainer, case: BenchCase, config, fp8_layers: int | None, *, steps:
            "loss_impl": case.loss_impl, "optim_impl": case.optim_impl, "mode": case.mode, "step_ms": step_s * 1e3,
            "step_ms_range": [min(timed_ms), max(timed_ms)], "tokens_per_s": seq / step_s, "tflops": tflops,
            # MFU against the BF16 peak for every variant (the FP8 one would halve FP8's figures)
-           "mfu_bf16_peak": tflops / (peak_tflops(torch.device(device), fp8=False) or float("nan")),
+           "mfu_bf16_peak": tflops / (peak_tflops(trainer.device, fp8=False) or float("nan")),
            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda
            else float("nan"), "loss_first": losses[0], "loss_last": losses[-1],
            "fp8_layers": fp8_layers if fp8_layers is not None else len(trainer.fp8_report.converted),

@@ -70,10 +70,11 @@ def _attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value:
     from torch.nn.attention.flex_attention import BlockMask
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    if not isinstance(attention_mask, BlockMask) or attention_mask.mask_mod is _causal:
-        # HF's SDPA path; `document_mask`'s causal BlockMask (rows of one document) stands for its None
-        mask = None if isinstance(attention_mask, BlockMask) else attention_mask
-        return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
+    if isinstance(attention_mask, BlockMask) and attention_mask.mask_mod is _causal:
+        attention_mask = None  # `document_mask`'s causal BlockMask (rows of one document) stands for HF's None
+    if not isinstance(attention_mask, BlockMask):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
     if dropout:
         raise ValueError("packed-document attention (flex) has no dropout; set the model's attention_dropout to 0")
     out = _flex(query, key, value, block_mask=attention_mask, scale=scaling,
@@ -89,15 +90,20 @@ def _causal(b, h, q, kv):
 def _causal_block_mask(s: int, device: torch.device):
     """The causal mask of rows of `s` tokens as a `BlockMask` (any batch size): `_attention` runs it as SDPA's
     `is_causal`, HF takes it as a prepared 4-D mask (no check of `position_ids`)."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    make = _compiled_block_mask() if device.type == "cuda" else create_block_mask
-    return make(_causal, None, None, s, s, device=device)
+    return _block_mask(_causal, None, s, device)
 
 
 def _same_document_causal(doc: torch.Tensor):
     """The mask function of rows whose document index per token is `doc` [B, S] (HF's packed-row mask)."""
     return lambda b, h, q, kv: (q >= kv) & (doc[b, q] == doc[b, kv])
+
+
+def _block_mask(mask_mod, b: int | None, s: int, device: torch.device):
+    """`mask_mod`'s `BlockMask` for rows of `s` tokens (b rows, or None: any), compiled on CUDA."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    make = _compiled_block_mask() if device.type == "cuda" else create_block_mask
+    return make(mask_mod, b, None, s, s, device=device)
 
 
 @functools.cache
@@ -131,10 +137,7 @@ def document_mask(config, position_ids: torch.Tensor, device: torch.device):
     doc = host_to_device(doc, device)
     b, s = doc.shape
     if impl == PACKED_ATTENTION:
-        from torch.nn.attention.flex_attention import create_block_mask
-
-        make = _compiled_block_mask() if device.type == "cuda" else create_block_mask
-        return make(_same_document_causal(doc), b, None, s, s, device=device)
+        return _block_mask(_same_document_causal(doc), b, s, device)
     causal = torch.ones(s, s, dtype=torch.bool, device=device).tril()
     return (causal & (doc[:, :, None] == doc[:, None, :]))[:, None]
 

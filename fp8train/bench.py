@@ -31,7 +31,8 @@ and what the step saves for backward by kind (FP8, BF16, FP32, the vocabulary-wi
 the profiled step's Chrome trace (chrome://tracing, Perfetto) of each variant, which
 `benchmarks/trace_gaps.py` reads for where the GPU idles. `--docs N` packs N documents in each row
 (`position_ids` restart at each, as CPT's `document_masking` makes them), `--packed-attention` picks their
-attention; `--lora RANK` trains adapters on the frozen base (the trainer's `model.lora`, as `Trainer.fit` runs
+attention; `--targets F` leaves only the last share F of each document with a target (SFT's rows: the prompt
+labelled -100, the answer trained; the LM head then runs on the rows with a target); `--lora RANK` trains adapters on the frozen base (the trainer's `model.lora`, as `Trainer.fit` runs
 it); each is compared with a BF16 of the same setting.
 """
 
@@ -99,6 +100,9 @@ class BenchCase:
     `document_masking` and SFT's packing make them): the model attends within each document only."""
     packed_attention: str = "flex"
     """The trainer's `train.packed_attention` (packed rows on CUDA): flex (block mask) or sdpa (dense mask)."""
+    targets: float = 1.0
+    """Share of each document's tokens with a target, its last ones (SFT: the answer; the prompt before it is
+    labelled -100); 1.0: every token, as CPT."""
     lora: int = 0
     """The trainer's `model.lora.rank`: 0 trains every parameter; r > 0 trains rank-r adapters on the seven
     decoder projections of the frozen base (its FP8 weights made once, its own weights in host memory)."""
@@ -305,9 +309,11 @@ def run_case(case: BenchCase, *, steps: int = 5, warmup: int = 2, device: str = 
         fp8_layers = len(convert_to_fp8(model, custom).converted)
     vocab, seq = model.config.vocab_size, case.seq
     g = torch.Generator().manual_seed(1)
-    positions = torch.arange(seq) % -(-seq // case.docs)
-    rows = [{"input_ids": (ids := torch.randint(0, vocab, (seq,), generator=g)), "labels": ids,
-             "position_ids": positions} for _ in range(steps + warmup)]
+    doc_len = -(-seq // case.docs)
+    positions = torch.arange(seq) % doc_len
+    prompt = positions < round(doc_len * (1.0 - case.targets))  # the first tokens of each document: no target
+    rows = [{"input_ids": (ids := torch.randint(0, vocab, (seq,), generator=g)),
+             "labels": ids.masked_fill(prompt, -100), "position_ids": positions} for _ in range(steps + warmup)]
     cfg = TrainConfig(stage="cpt", data=CptDataConfig(paths=["(synthetic)"], seq_len=seq),
                       run_dir=tempfile.mkdtemp(prefix=f"fp8train-bench-{case.variant}-"), resume="none",
                       device=device, recipe=recipe, model=mcfg,
@@ -372,6 +378,7 @@ def _measure(trainer, case: BenchCase, config, fp8_layers: int | None, *, steps:
     step_s = statistics.median(timed_ms) / 1e3
     tflops = flops_per_token(config, seq, weight_grads=not case.lora) * seq / step_s / 1e12
     res = {"model": case.model, "layers": config.num_hidden_layers, "seq": seq, "docs": case.docs,
+           "targets": case.targets,
            "packed_attention": case.packed_attention, "lora": case.lora,
            "variant": case.variant,
            "loss_impl": case.loss_impl, "optim_impl": case.optim_impl, "mode": case.mode, "step_ms": step_s * 1e3,
@@ -413,7 +420,7 @@ def _memory_split_applies(mode: str) -> bool:
 
 
 _CASE_KEYS = ("model", "layers", "seq", "mode")
-_SHAPE_KEYS = (*_CASE_KEYS, "loss_impl", "optim_impl", "docs", "packed_attention", "lora")  # a result's BF16 base shares all of these
+_SHAPE_KEYS = (*_CASE_KEYS, "loss_impl", "optim_impl", "docs", "targets", "packed_attention", "lora")  # a result's BF16 base shares all of these
 
 
 def _base(results: list[dict], r: dict) -> dict | None:
@@ -446,6 +453,7 @@ def _label(r: dict) -> str:
     """The variant, with the loss and optimizer where they are not the defaults."""
     label = r["variant"] + (f" ({r['loss_impl']} loss)" if r.get("loss_impl", "chunked") != "chunked" else "")
     label += f" ({r['docs']} documents a sequence)" if r.get("docs", 1) != 1 else ""
+    label += f" ({r['targets']:.0%} of tokens with a target)" if r.get("targets", 1.0) != 1.0 else ""
     label += f" ({r['packed_attention']} attention)" if r.get("packed_attention", "flex") != "flex" else ""
     label += f" (LoRA r={r['lora']})" if r.get("lora") else ""
     return label + (f" ({r['optim_impl']} AdamW)" if r.get("optim_impl", "auto") != "auto" else "")
@@ -499,6 +507,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--vocab", type=int, default=None, help="embedding rows (default: the preset's)")
     p.add_argument("--docs", type=int, nargs="+", default=[1],
                    help="documents packed in each sequence (position_ids restart at each); several: each count")
+    p.add_argument("--targets", type=float, nargs="+", default=[1.0], metavar="SHARE",
+                   help="share of each document's tokens with a target (SFT: ~0.5; the rest labelled -100); "
+                        "several: each share")
     p.add_argument("--packed-attention", nargs="+", default=["flex"], choices=("flex", "sdpa"),
                    help="the attention of packed rows (train.packed_attention); several: every variant with each")
     p.add_argument("--lora", type=int, default=0, metavar="RANK",
@@ -539,11 +550,12 @@ def main(args: argparse.Namespace | list[str] | None = None) -> int:
             for mode in args.modes:
                 # rounds interleave the variants (A B C A B C): a drift of the machine or of the process
                 # shows as spread across rounds instead of as a difference between variants
-                for rnd, variant, loss, opt, docs, attn in (
-                        (i, v, loss, o, d, a) for i in range(args.rounds) for d in args.docs
+                for rnd, variant, loss, opt, docs, share, attn in (
+                        (i, v, loss, o, d, t, a) for i in range(args.rounds) for d in args.docs for t in args.targets
                         for a in args.packed_attention for loss in args.loss_impl for o in args.optim_impl
                         for v in args.variants):
-                    case = BenchCase(name, layers, seq, variant, mode, args.vocab, loss, opt, docs, attn, args.lora)
+                    case = BenchCase(name, layers, seq, variant, mode, args.vocab, loss, opt, docs, attn,
+                                     targets=share, lora=args.lora)
                     try:
                         r = run_case(case, steps=args.steps, warmup=args.warmup, device=args.device,
                                      profile=args.profile and rnd == 0, activation_checkpointing=args.ac,

@@ -85,6 +85,19 @@ def test_packed_documents_restart_positions_and_are_attended_apart(capsys):
     assert table.count("| 1.000 |") == 2  # each BF16 is its own base, no row compared across counts
 
 
+def test_targets_leave_each_documents_prompt_without_a_target():
+    """`--targets F`: SFT-like rows, only the last share F of each document trained (the prompt labelled -100),
+    so the head runs on those rows (`loss_rows`); labelled and matched to their own BF16."""
+    from fp8train.bench import BenchCase, markdown_table, run_case
+
+    res = [run_case(BenchCase("tiny-qwen2", None, 512, v, "eager", 512, docs=2, targets=t), steps=1, warmup=1,
+                    device="cpu") for t in (1.0, 0.25) for v in ("bf16", "hybrid")]
+    assert [r["targets"] for r in res] == [1.0, 1.0, 0.25, 0.25] and res[0]["loss_first"] != res[2]["loss_first"]
+    table = markdown_table(res)
+    assert "hybrid (2 documents a sequence) (25% of tokens with a target)" in table
+    assert table.count("| 1.000 |") == 2
+
+
 def test_lora_trains_only_the_adapters_on_the_frozen_fp8_base(capsys):
     """--lora RANK: the trainer's LoRA (adapters on the seven projections, the base frozen), as `Trainer.fit` runs
     it (the base's FP8 weights made once, `Trainer.frozen_base`); labelled, matched to its own BF16, and its

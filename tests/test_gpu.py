@@ -660,6 +660,21 @@ def test_trainer_enqueues_a_step_without_waiting_for_the_gpu(mode, variant):
     assert res["skipped_steps"] == 0 and math.isfinite(res["loss_first"]) and math.isfinite(res["loss_last"])
 
 
+@pytest.mark.parametrize("mode", ["compiled", "cudagraphs"])
+def test_sft_rows_run_the_head_on_their_targets_without_waiting_for_the_gpu(mode):
+    """SFT-like rows (4 documents, the last quarter of each with a target): the trainer hands the model the rows
+    with a target (`loss_rows`, made on the host), so the head runs on 512 of 2048 rows and still no step waits
+    for the GPU; the losses are those of the plain HF head on every row within BF16 rounding."""
+    from fp8train.bench import BenchCase, run_case
+
+    res = {impl: run_case(BenchCase("tiny-qwen2", None, 2048, "hybrid", mode, 512, loss_impl=impl, docs=4,
+                                    targets=0.25), steps=4, warmup=2, device="cuda") for impl in ("chunked", "hf")}
+    assert res["chunked"]["host_syncs"] == []
+    for key in ("loss_first", "loss_last"):
+        assert abs(res["chunked"][key] - res["hf"][key]) <= 1e-3 * abs(res["hf"][key]), key
+    assert res["chunked"]["skipped_steps"] == 0
+
+
 def test_packed_attention_kernel_matches_an_fp32_reference_on_cuda():
     """The flex path of fp8train/train/attention.py (compiled, grouped-query heads not repeated) at the 1.5B
     shape, four documents of 512 tokens: output and input gradients as close to an FP32 dense-mask reference as

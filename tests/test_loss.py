@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fp8train.train.loss import _bf16_gemm_in_fp32, _mm, linear_cross_entropy, use_loss
+from fp8train.train.loss import _bf16_gemm_in_fp32, _mm, linear_cross_entropy, target_rows, use_loss
 from fp8train.train.model import ModelConfig, build_model
 
 from _benchmarks import load_benchmark
@@ -180,6 +180,58 @@ def test_compiled_chunk_arithmetic_within_bf16_bound_of_fp64():
     _loss_within(loss, ref_loss, b_loss, "compiled")
     _within(gh, ref_gh, b_gh, "compiled grad hidden")
     _within(gw, ref_gw, b_gw, "compiled grad weight")
+
+
+def _sft_batch(batch: int = 2, seq: int = 200, seed: int = 2) -> dict:
+    """Rows of chats: most positions are prompt or padding (label -100), as in SFT."""
+    ids = torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
+    labels = torch.full_like(ids, -100)
+    labels[0, 40:70] = ids[0, 40:70]      # an answer
+    labels[0, 150:162] = ids[0, 150:162]  # a second chat's answer
+    labels[1, 90:131] = ids[1, 90:131]
+    return {"input_ids": ids, "labels": labels, "position_ids": torch.arange(seq).expand(batch, -1)}
+
+
+def test_target_rows_names_the_rows_with_a_target_and_leaves_cpt_alone():
+    labels = _sft_batch()["labels"]
+    has_target = (F.pad(labels, (0, 1), value=-100)[:, 1:] != -100).reshape(-1)  # HF's shift, written out
+    rows, k = target_rows(labels), int(has_target.sum())
+    assert k == 83 and rows.numel() == 128 and bool((rows[1:] > rows[:-1]).all())  # topped up to 2 x 64, in order
+    assert set(has_target.nonzero().squeeze(1).tolist()) <= set(rows.tolist())
+    extra = [r for r in rows.tolist() if not has_target[r]]
+    assert extra == (~has_target).nonzero().squeeze(1)[:128 - k].tolist()  # the first rows without a target
+    cpt = torch.randint(0, VOCAB, (3, 300))
+    cpt[1, 100] = -100  # a document boundary
+    assert target_rows(cpt) is None  # CPT: nearly every row has a target
+    assert target_rows(torch.full((2, 300), -100)).numel() == 64  # no target at all: still a head to run
+    assert target_rows(torch.full((1, 70), -100)) is None  # 64 rows would be more than 7/8 of them
+
+
+@pytest.mark.parametrize("chunk", [None, 48])
+def test_head_on_target_rows_only_gives_the_same_loss_and_gradients(chunk):
+    """`rows`: the loss and both gradients are those of the whole batch, within the FP64 reference's BF16 bound;
+    rows without a target get exactly zero gradient, as they do when the head runs on every row."""
+    model = _model(False)
+    batch = _sft_batch()
+    h, w = _hidden(model, batch), model.get_output_embeddings().weight
+    n = int((batch["labels"][:, 1:] != -100).sum())
+    rows = target_rows(batch["labels"])
+    ref_loss, ref_gh, ref_gw, (b_loss, b_gh, b_gw) = _reference(h, w, batch["labels"], n)
+    loss, gh, gw = _chunked(h, w, batch["labels"], n, chunk_tokens=chunk, rows=rows)
+    _loss_within(loss, ref_loss, b_loss, "target rows")
+    _within(gh, ref_gh, b_gh, "target rows grad hidden")
+    _within(gw, ref_gw, b_gw, "target rows grad weight")
+    skipped = torch.ones(gh.shape[0], dtype=torch.bool)
+    skipped[rows] = False
+    assert skipped.sum() == 400 - 128 and not gh[skipped].any()
+    every = _chunked(h, w, batch["labels"], n, chunk_tokens=chunk)
+    assert loss == pytest.approx(every[0], rel=1e-6)
+    assert _same(gh, every[1]) and not every[1][skipped].any()
+    # the weight gradient sums the same products over fewer (all-zero) rows: the CPU's per-chunk BF16 product may
+    # round the other way
+    torch.testing.assert_close(gw, every[2], rtol=0, atol=2.0**-7 * every[2].abs().max().item())
+    with torch.no_grad():  # evaluation
+        assert linear_cross_entropy(h, w, batch["labels"], n, chunk_tokens=chunk, rows=rows).item() == loss
 
 
 # -------------------------------------------------------------------------------------- the model

@@ -264,6 +264,38 @@ def test_chunked_loss_matches_the_plain_hf_loss(tmp_path, byte_tokenizer, corpus
     torch.testing.assert_close(chunks, plain, rtol=GOLDEN_RTOL, atol=0)
 
 
+def test_sft_head_runs_on_the_rows_with_a_target_only(tmp_path, byte_tokenizer):
+    """SFT: each micro-batch reaches the model with `loss_rows`, the rows whose label is a target (topped up to a
+    multiple of 64), made on the host; CPT rows get none. The losses equal those of the plain HF head on every
+    row within GOLDEN_RTOL (the same values summed in another order, the head's weight gradient over fewer zero
+    rows)."""
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps({"question": f"What is {i} + {i}? Say it in words and digits, please.",
+                                        "answer": f"{2 * i}."}) + "\n" for i in range(48)))
+    runs, rows_seen = {}, []
+    for name, extra in {"hf": {"train.loss_impl": "hf"}, "chunked": {}}.items():
+        values = {"run_dir": tmp_path / name, "device": "cpu", "recipe": "bf16", "model.tokenizer": byte_tokenizer,
+                  "data.paths": f"[{data}]", "data.seq_len": 256, "data.max_samples": "null", "train.steps": 4,
+                  "train.epochs": "null", "train.eval_every": 2, "train.save_every": 0, "train.health_every": 0, **extra}
+        cfg = load_config(TINY_CONFIG.with_name("tiny_sft.yaml"), [f"{k}={v}" for k, v in values.items()])
+        trainer = Trainer(cfg, progress=False)
+        for batch in trainer.next_micro_batches():
+            moved = trainer._to_device(batch)
+            has_target = (batch["labels"][:, 1:] != -100).sum().item()
+            assert ("loss_rows" in moved) == (name == "chunked")
+            if name == "chunked":
+                rows = moved["loss_rows"]
+                assert rows.numel() % 64 == 0 and has_target <= rows.numel() < batch["labels"].numel()
+                rows_seen.append((rows.numel(), batch["labels"].numel()))
+        result = trainer.fit()
+        runs[name] = [result.losses[s] for s in sorted(result.losses)] + [result.val_loss]
+    assert rows_seen and all(r * 2 <= n for r, n in rows_seen)  # the head runs on half the rows or fewer
+    torch.testing.assert_close(torch.tensor(runs["chunked"], dtype=torch.float64),
+                               torch.tensor(runs["hf"], dtype=torch.float64), rtol=GOLDEN_RTOL, atol=0)
+    cpt = Trainer(tiny_config(tmp_path / "cpt", byte_tokenizer, write_corpus(tmp_path / "c.jsonl")), progress=False)
+    assert all("loss_rows" not in cpt._to_device(b) for b in cpt.next_micro_batches())
+
+
 def test_fsdp_always_needs_torchrun(tmp_path, byte_tokenizer, corpus):
     from fp8train.train.trainer import train
 

@@ -25,6 +25,12 @@ chunk by chunk of tokens instead, and returns `logits=None` when `labels` are gi
   per-chunk products (on CUDA accumulated by the GEMM in FP32, never rounded to BF16 as the plain path's
   is); compiled (`compile=True`), the per-chunk softmax/gradient arithmetic is inductor's.
 
+- rows without a target: SFT's prompts and padding have no target (label -100), and their logits count for
+  nothing. `target_rows(labels)`, made on the host from the batch's labels (the trainer passes it as
+  `loss_rows`), names the rows that have one; the head then runs on those rows alone (both impls), and
+  their gradient is scattered back (zeros elsewhere, as the plain path's). Where nearly every row has a
+  target (CPT) it returns None and nothing is gathered.
+
 `impl="liger"` uses Liger's fused linear cross-entropy (`liger-kernel`, Triton, CUDA only) instead;
 `impl="hf"` restores the plain forward.
 """
@@ -39,16 +45,35 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["LOSS_IMPLS", "linear_cross_entropy", "use_loss"]
+__all__ = ["LOSS_IMPLS", "linear_cross_entropy", "target_rows", "use_loss"]
 
 LOSS_IMPLS = ("chunked", "liger", "hf")
 IGNORE_INDEX = -100
 _CHUNK_LOGITS = 2**28  # logits per chunk by default: 1 GiB as FP32, ~1,700 tokens at a 151,936 vocabulary
+_ROWS_MULTIPLE = 64  # rows kept by `target_rows`: a GEMM-friendly count
 
 
 def _shift_labels(labels: torch.Tensor) -> torch.Tensor:
     """HF's causal shift: position i predicts labels[i + 1]; the last position of each row predicts nothing."""
     return F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+
+
+def target_rows(labels: torch.Tensor) -> torch.Tensor | None:
+    """The rows of the flattened hidden states that the loss needs, for `linear_cross_entropy(rows=...)`: those
+    whose (shifted) label is a target, in order, topped up with the first rows without one to a multiple of 64
+    (a row without a target adds exactly nothing to the loss and gets a zero gradient either way). None where
+    that would keep more than 7/8 of the rows (CPT: only each row's last position has no target), so CPT
+    gathers nothing and computes what it did. Call it on the host, where the labels are made: its length is a
+    shape, and reading it from the GPU would make the host wait."""
+    has_target = _shift_labels(labels).reshape(-1) != IGNORE_INDEX
+    n, k = has_target.numel(), int(has_target.sum())
+    keep = min(n, max(_ROWS_MULTIPLE, -(-k // _ROWS_MULTIPLE) * _ROWS_MULTIPLE))
+    if keep * 8 > n * 7:
+        return None
+    if keep > k:
+        has_target = has_target.clone()
+        has_target[(~has_target).nonzero().squeeze(1)[:keep - k]] = True
+    return has_target.nonzero().squeeze(1)
 
 
 def _chunk_size(tokens: int, vocab: int, chunk_tokens: int | None) -> int:
@@ -190,14 +215,16 @@ def _liger(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, divisor
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                          num_items_in_batch: torch.Tensor | int | None = None, *, impl: str = "chunked",
-                         chunk_tokens: int | None = None, compile: bool = False) -> torch.Tensor:
+                         chunk_tokens: int | None = None, compile: bool = False,
+                         rows: torch.Tensor | None = None) -> torch.Tensor:
     """`ForCausalLMLoss(F.linear(hidden, weight), labels, num_items_in_batch=...)` without the logits.
 
     `hidden` [batch, seq, hidden] (or [tokens, hidden]) are the final hidden states, `weight` the head's
     [vocab, hidden] weight, `labels` the unshifted labels (shifted here; -100 ignored). The loss is the
     target cross-entropy sum divided by `num_items_in_batch`, or by this call's target count when None.
     `impl`: "chunked" (`chunk_tokens` tokens per chunk, None = 2**28 logits per chunk; `compile` runs
-    the per-chunk softmax and gradient through torch.compile) or "liger".
+    the per-chunk softmax and gradient through torch.compile) or "liger". `rows` (`target_rows(labels)`):
+    the head runs on those rows of the flattened tokens only; the others must have no target.
     """
     if impl not in ("chunked", "liger"):
         raise ValueError(f"linear_cross_entropy: impl must be 'chunked' or 'liger', got {impl!r}")
@@ -210,6 +237,9 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
         divisor = (targets != IGNORE_INDEX).sum()
     elif torch.is_tensor(divisor):
         divisor = divisor.to(x.device)
+    if rows is not None:  # (index_select's backward scatters the rows' gradient into zeros)
+        rows = rows.to(x.device, non_blocking=True)
+        x, targets = x.index_select(0, rows), targets.index_select(0, rows)
     if impl == "liger":
         return _liger(x, weight, targets, divisor)
     chunk = _chunk_size(x.shape[0], weight.shape[0], chunk_tokens)
@@ -225,7 +255,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
 
 
 def _forward_with_loss(model: nn.Module, *args, labels=None, num_items_in_batch=None, logits_to_keep=0,
-                       impl: str, chunk_tokens: int | None, compile: bool, **kwargs):
+                       loss_rows=None, impl: str, chunk_tokens: int | None, compile: bool, **kwargs):
     hf_forward = type(model).forward  # the class's own (HF) forward; FSDP2 hooks wrap the call either way
     plain = not (isinstance(logits_to_keep, int) and logits_to_keep == 0) or "shift_labels" in kwargs
     if labels is None or plain:  # nothing to fuse, or what only the plain loss handles
@@ -237,7 +267,7 @@ def _forward_with_loss(model: nn.Module, *args, labels=None, num_items_in_batch=
     outputs = model.get_decoder()(*args, **kwargs)
     head = model.get_output_embeddings()
     loss = linear_cross_entropy(outputs.last_hidden_state, head.weight, labels, num_items_in_batch, impl=impl,
-                                chunk_tokens=chunk_tokens, compile=compile)
+                                chunk_tokens=chunk_tokens, compile=compile, rows=loss_rows)
     rest = {k: v for k, v in outputs.items() if k != "last_hidden_state"}
     return CausalLMOutputWithPast(loss=loss, logits=None, **rest)
 
@@ -246,7 +276,8 @@ def use_loss(model: nn.Module, impl: str, *, chunk_tokens: int | None = None, co
     """Make `model(..., labels=...)` compute its loss with `impl` ("chunked", "liger" or "hf").
 
     The model's own forward call still runs the decoder (so FSDP2's root hooks, activation checkpointing
-    and compiled layers are untouched); with labels it returns the loss and `logits=None`. Without
+    and compiled layers are untouched); with labels it returns the loss and `logits=None`, and it takes
+    `loss_rows=target_rows(labels)` (made on the host) to run the head on the rows with a target only. Without
     labels, or with `logits_to_keep` or `shift_labels`, the plain forward runs. Parameters, state_dict keys and the HF
     export do not change; "hf" restores the plain forward.
     """

@@ -35,7 +35,7 @@ from .attention import document_mask, use_packed_attention
 from .checkpoint import find_latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainConfig, config_to_dict
 from .distributed import World
-from .loss import use_loss
+from .loss import target_rows, use_loss
 from .metrics import MetricsLogger, Throughput, flops_per_token, peak_memory_gib, peak_tflops
 from .lora import apply_lora, is_lora
 from .model import PRESETS, build_model, check_weights_match, load_model_tokenizer, parallelize_model
@@ -254,15 +254,16 @@ class Trainer:
 
     def _to_device(self, batch: dict) -> dict:
         """The batch on the device (copied from pinned memory: a copy from pageable memory may wait for the
-        device), with the attention mask of packed rows made from its host-side `position_ids` (`document_mask`),
-        which HF would otherwise read back from the GPU in every forward."""
-        mask = None
+        device), with what the host knows and the GPU would otherwise be asked for in every forward: the
+        attention mask of packed rows, from their `position_ids` (`document_mask`), and the rows with a target
+        (`loss_rows`: SFT's prompts and padding skip the LM head)."""
+        extra = {}
         if "position_ids" in batch and "attention_mask" not in batch:
-            mask = document_mask(self.model.config, batch["position_ids"], self.device)
-        out = {k: host_to_device(v, self.device) for k, v in batch.items()}
-        if mask is not None:
-            out["attention_mask"] = mask
-        return out
+            extra["attention_mask"] = document_mask(self.model.config, batch["position_ids"], self.device)
+        rows = target_rows(batch["labels"]) if "labels" in batch and self.cfg.train.loss_impl != "hf" else None
+        if rows is not None:
+            extra["loss_rows"] = host_to_device(rows, self.device)
+        return {k: host_to_device(v, self.device) for k, v in batch.items()} | extra
 
     def next_micro_batches(self) -> list[dict]:
         """The next global batch of the sampler: this rank's micro-batches, as `train_step` takes them."""

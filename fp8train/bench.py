@@ -32,8 +32,9 @@ the profiled step's Chrome trace (chrome://tracing, Perfetto) of each variant, w
 `benchmarks/trace_gaps.py` reads for where the GPU idles. `--docs N` packs N documents in each row
 (`position_ids` restart at each, as CPT's `document_masking` makes them), `--packed-attention` picks their
 attention; `--targets F` leaves only the last share F of each document with a target (SFT's rows: the prompt
-labelled -100, the answer trained; the LM head then runs on the rows with a target); `--lora RANK` trains adapters on the frozen base (the trainer's `model.lora`, as `Trainer.fit` runs
-it); each is compared with a BF16 of the same setting.
+labelled -100, the answer trained; the LM head then runs on the rows with a target); `--lora RANK` trains
+adapters on the frozen base (the trainer's `model.lora`, as `Trainer.fit` runs it); each is compared with a
+BF16 of the same setting.
 """
 
 from __future__ import annotations
@@ -420,7 +421,8 @@ def _memory_split_applies(mode: str) -> bool:
 
 
 _CASE_KEYS = ("model", "layers", "seq", "mode")
-_SHAPE_KEYS = (*_CASE_KEYS, "loss_impl", "optim_impl", "docs", "targets", "packed_attention", "lora")  # a result's BF16 base shares all of these
+# a result's BF16 base shares all of these
+_SHAPE_KEYS = (*_CASE_KEYS, "loss_impl", "optim_impl", "docs", "targets", "packed_attention", "lora")
 
 
 def _base(results: list[dict], r: dict) -> dict | None:

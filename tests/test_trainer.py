@@ -276,7 +276,8 @@ def test_sft_head_runs_on_the_rows_with_a_target_only(tmp_path, byte_tokenizer):
     for name, extra in {"hf": {"train.loss_impl": "hf"}, "chunked": {}}.items():
         values = {"run_dir": tmp_path / name, "device": "cpu", "recipe": "bf16", "model.tokenizer": byte_tokenizer,
                   "data.paths": f"[{data}]", "data.seq_len": 256, "data.max_samples": "null", "train.steps": 4,
-                  "train.epochs": "null", "train.eval_every": 2, "train.save_every": 0, "train.health_every": 0, **extra}
+                  "train.epochs": "null", "train.eval_every": 2, "train.save_every": 0, "train.health_every": 0,
+                  **extra}
         cfg = load_config(TINY_CONFIG.with_name("tiny_sft.yaml"), [f"{k}={v}" for k, v in values.items()])
         trainer = Trainer(cfg, progress=False)
         for batch in trainer.next_micro_batches():

@@ -277,9 +277,9 @@ def use_loss(model: nn.Module, impl: str, *, chunk_tokens: int | None = None, co
 
     The model's own forward call still runs the decoder (so FSDP2's root hooks, activation checkpointing
     and compiled layers are untouched); with labels it returns the loss and `logits=None`, and it takes
-    `loss_rows=target_rows(labels)` (made on the host) to run the head on the rows with a target only. Without
-    labels, or with `logits_to_keep` or `shift_labels`, the plain forward runs. Parameters, state_dict keys and the HF
-    export do not change; "hf" restores the plain forward.
+    `loss_rows=target_rows(labels)` (made on the host) to run the head on the rows with a target only.
+    Without labels, or with `logits_to_keep` or `shift_labels`, the plain forward runs. Parameters,
+    state_dict keys and the HF export do not change; "hf" restores the plain forward.
     """
     if impl not in LOSS_IMPLS:
         raise ValueError(f"config key 'train.loss_impl' must be one of {list(LOSS_IMPLS)}, got {impl!r}")

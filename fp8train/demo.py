@@ -55,7 +55,8 @@ class DemoConfig:
     """Options of `fp8train demo`."""
 
     out_dir: str = "runs/demo"
-    """Where the two runs, the token cache and loss.png go (the two run directories are recreated)."""
+    """Where the runs, evaluations, export, token cache and plots go (a second demo into the same folder recreates
+    its runs, evaluations and export; the token cache is reused)."""
     device: str = "auto"
     """`auto` (CUDA when available), `cpu` or `cuda`; the sizes below depend on it."""
     steps: int | None = None
@@ -213,8 +214,10 @@ def _run(demo: DemoConfig, device: str) -> dict:
         t0 = time.perf_counter()
         res = Trainer(cfg, tokenizer=tokenizer).fit()
         tail = [res.losses[s] for s in sorted(res.losses)[-5:]]
+        eval_dir = out / f"eval_{_run_name(recipe)}"
+        shutil.rmtree(eval_dir, ignore_errors=True)  # (`fp8train eval` refuses to overwrite earlier results)
         metrics = run_eval(EvalConfig(model=str(res.final_dir), data=str(eval_file), instruction=TASK_INSTRUCTION,
-                                      greedy=True, max_new_tokens=8, batch_size=len(held_out), out=str(out / f"eval_{_run_name(recipe)}")))
+                                      greedy=True, max_new_tokens=8, batch_size=len(held_out), out=str(eval_dir)))
         results[recipe].update(sft_loss=sum(tail) / len(tail), sft_val_loss=res.val_loss, accuracy=metrics["pass@1"],
                                sft_seconds=time.perf_counter() - t0)
         sft_dirs[recipe] = res.run_dir

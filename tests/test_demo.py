@@ -57,3 +57,7 @@ def test_demo_flow_end_to_end_scaled_down(tmp_path, monkeypatch, byte_tokenizer,
     assert config["quantization_config"]["weight_block_size"] == [128, 128]
     assert (tmp_path / "sft_bf16" / "final" / "config.json").is_file()
     assert json.loads((tmp_path / "eval_fp8_hybrid" / "metrics.json").read_text())["num_problems"] == 12
+    # run again into the same folder (`make demo` twice): the demo owns its runs, evaluations and export
+    (tmp_path / "eval_bf16" / "metrics.json").unlink()
+    again = demo.run_demo(DemoConfig(out_dir=str(tmp_path), device="cpu", steps=2))
+    assert set(again) == {"hybrid", "bf16"} and (tmp_path / "eval_bf16" / "metrics.json").is_file()

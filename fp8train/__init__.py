@@ -17,7 +17,7 @@ _LAZY = {
     "OptimConfig": "train.optim", "build_optimizer": "train.optim", "build_scheduler": "train.optim",
     "optimizer_step": "train.optim", "optimizer_step_on_device": "train.optim", "skips_on_device": "train.optim",
     "gradient_norm": "train.optim", "StepInFlight": "train.trainer", "linear_cross_entropy": "train.loss",
-    "use_loss": "train.loss", "target_rows": "train.loss",
+    "use_loss": "train.loss", "target_rows": "train.loss", "count_targets": "train.loss",
     "save_checkpoint": "train.checkpoint", "load_checkpoint": "train.checkpoint",
     "find_latest_checkpoint": "train.checkpoint", "export_hf": "export",
     "CorruptCheckpointError": "train.checkpoint",

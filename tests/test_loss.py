@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fp8train.train.loss import _bf16_gemm_in_fp32, _mm, linear_cross_entropy, target_rows, use_loss
+from fp8train.train.loss import _bf16_gemm_in_fp32, _mm, count_targets, linear_cross_entropy, target_rows, use_loss
 from fp8train.train.model import ModelConfig, build_model
 
 from _benchmarks import load_benchmark
@@ -197,6 +197,7 @@ def test_target_rows_names_the_rows_with_a_target_and_leaves_cpt_alone():
     has_target = (F.pad(labels, (0, 1), value=-100)[:, 1:] != -100).reshape(-1)  # HF's shift, written out
     rows, k = target_rows(labels), int(has_target.sum())
     assert k == 83 and rows.numel() == 128 and bool((rows[1:] > rows[:-1]).all())  # topped up to 2 x 64, in order
+    assert int(count_targets(labels)) == k  # the loss's divisor counts the same targets
     assert set(has_target.nonzero().squeeze(1).tolist()) <= set(rows.tolist())
     extra = [r for r in rows.tolist() if not has_target[r]]
     assert extra == (~has_target).nonzero().squeeze(1)[:128 - k].tolist()  # the first rows without a target
@@ -253,8 +254,7 @@ def test_model_forward_uses_it_and_keeps_names_and_tied_weights(tied):
     assert plain_out.logits.shape == (3, 37, VOCAB)
     one_model, many_model = copy.deepcopy(base), copy.deepcopy(base)
     keys = list(one_model.state_dict())
-    use_loss(one_model, "chunked")
-    use_loss(many_model, "chunked", chunk_tokens=32)
+    assert use_loss(one_model, "chunked") and use_loss(many_model, "chunked", chunk_tokens=32)  # take loss_rows
     assert list(one_model.state_dict()) == keys
     assert (one_model.lm_head.weight is one_model.model.embed_tokens.weight) == tied
     one_out, one = _grads(one_model, batch, n)
@@ -270,7 +270,7 @@ def test_model_forward_uses_it_and_keeps_names_and_tied_weights(tied):
     with torch.no_grad():
         logits = one_model(input_ids=batch["input_ids"]).logits
     assert logits.shape == (3, 37, VOCAB)
-    use_loss(one_model, "hf")
+    assert not use_loss(one_model, "hf")  # HF's own forward: no loss_rows
     assert "forward" not in vars(one_model)
     copied = copy.deepcopy(many_model)  # the bound forward follows the copy, not the original
     assert copied.forward.__self__ is copied

@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["LOSS_IMPLS", "linear_cross_entropy", "target_rows", "use_loss"]
+__all__ = ["LOSS_IMPLS", "count_targets", "linear_cross_entropy", "target_rows", "use_loss"]
 
 LOSS_IMPLS = ("chunked", "liger", "hf")
 IGNORE_INDEX = -100
@@ -58,6 +58,16 @@ def _shift_labels(labels: torch.Tensor) -> torch.Tensor:
     return F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
 
 
+def _has_target(labels: torch.Tensor) -> torch.Tensor:
+    """Per position, whether its (shifted) label is a target: the one definition the count and the rows share."""
+    return _shift_labels(labels) != IGNORE_INDEX
+
+
+def count_targets(labels: torch.Tensor) -> torch.Tensor:
+    """The number of targets in `labels` (unshifted, -100 ignored): the loss's `num_items_in_batch`."""
+    return _has_target(labels).sum()
+
+
 def target_rows(labels: torch.Tensor) -> torch.Tensor | None:
     """The rows of the flattened hidden states that the loss needs, for `linear_cross_entropy(rows=...)`: those
     whose (shifted) label is a target, in order, topped up with the first rows without one to a multiple of 64
@@ -65,7 +75,7 @@ def target_rows(labels: torch.Tensor) -> torch.Tensor | None:
     that would keep more than 7/8 of the rows (CPT: only each row's last position has no target), so CPT
     gathers nothing and computes what it did. Call it on the host, where the labels are made: its length is a
     shape, and reading it from the GPU would make the host wait."""
-    has_target = _shift_labels(labels).reshape(-1) != IGNORE_INDEX
+    has_target = _has_target(labels).reshape(-1)
     n, k = has_target.numel(), int(has_target.sum())
     keep = min(n, max(_ROWS_MULTIPLE, -(-k // _ROWS_MULTIPLE) * _ROWS_MULTIPLE))
     if keep * 8 > n * 7:
@@ -234,7 +244,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
         raise ValueError(f"hidden states hold {x.shape[0]} tokens but labels {targets.shape[0]}")
     divisor = num_items_in_batch
     if divisor is None:
-        divisor = (targets != IGNORE_INDEX).sum()
+        divisor = count_targets(labels).to(x.device)
     elif torch.is_tensor(divisor):
         divisor = divisor.to(x.device)
     if rows is not None:  # (index_select's backward scatters the rows' gradient into zeros)
@@ -272,7 +282,7 @@ def _forward_with_loss(model: nn.Module, *args, labels=None, num_items_in_batch=
     return CausalLMOutputWithPast(loss=loss, logits=None, **rest)
 
 
-def use_loss(model: nn.Module, impl: str, *, chunk_tokens: int | None = None, compile: bool = False) -> None:
+def use_loss(model: nn.Module, impl: str, *, chunk_tokens: int | None = None, compile: bool = False) -> bool:
     """Make `model(..., labels=...)` compute its loss with `impl` ("chunked", "liger" or "hf").
 
     The model's own forward call still runs the decoder (so FSDP2's root hooks, activation checkpointing
@@ -280,12 +290,13 @@ def use_loss(model: nn.Module, impl: str, *, chunk_tokens: int | None = None, co
     `loss_rows=target_rows(labels)` (made on the host) to run the head on the rows with a target only.
     Without labels, or with `logits_to_keep` or `shift_labels`, the plain forward runs. Parameters,
     state_dict keys and the HF export do not change; "hf" restores the plain forward.
+    Returns whether the model's forward now takes `loss_rows` (False for "hf": HF's forward does not).
     """
     if impl not in LOSS_IMPLS:
         raise ValueError(f"config key 'train.loss_impl' must be one of {list(LOSS_IMPLS)}, got {impl!r}")
     model.__dict__.pop("forward", None)
     if impl == "hf":
-        return
+        return False
     head = model.get_output_embeddings()
     config = getattr(model, "config", None)
     if (type(head) is not nn.Linear or head.bias is not None or not hasattr(model, "get_decoder")
@@ -301,3 +312,4 @@ def use_loss(model: nn.Module, impl: str, *, chunk_tokens: int | None = None, co
     forward = functools.partial(_forward_with_loss, impl=impl, chunk_tokens=chunk_tokens, compile=compile)
     # A method bound to the instance: deepcopy rebinds it to the copy; nothing global is patched.
     model.forward = types.MethodType(forward, model)
+    return True

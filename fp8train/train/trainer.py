@@ -35,7 +35,7 @@ from .attention import document_mask, use_packed_attention
 from .checkpoint import find_latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainConfig, config_to_dict
 from .distributed import World
-from .loss import target_rows, use_loss
+from .loss import count_targets, target_rows, use_loss
 from .metrics import MetricsLogger, Throughput, flops_per_token, peak_memory_gib, peak_tflops
 from .lora import apply_lora, is_lora
 from .model import PRESETS, build_model, check_weights_match, load_model_tokenizer, parallelize_model
@@ -121,11 +121,6 @@ def _check_seq_len(cfg: TrainConfig, model: nn.Module) -> None:
                          + (" or raise model.max_seq_len" if cfg.model.source in PRESETS else ""))
 
 
-def _count_targets(batch: dict) -> torch.Tensor:
-    # HF shifts labels left by one inside the loss: the first position never counts as a target.
-    return (batch["labels"][:, 1:] != -100).sum()
-
-
 class Trainer:
     """Builds everything from a `TrainConfig`, restores a checkpoint if asked, and runs `fit()`.
 
@@ -175,7 +170,8 @@ class Trainer:
                           compile=cfg.train.compile, cuda_graphs=cfg.train.cuda_graphs,
                           shard=self.world.shard if self.world.sharded else None)
         # The loss runs inside the model's forward call (FSDP2 gathers the head there), chunked by default.
-        use_loss(self.model, cfg.train.loss_impl, chunk_tokens=cfg.train.loss_chunk_tokens, compile=cfg.train.compile)
+        self._takes_loss_rows = use_loss(self.model, cfg.train.loss_impl, chunk_tokens=cfg.train.loss_chunk_tokens,
+                                         compile=cfg.train.compile)
         self.model.train()
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, self.total_steps)
@@ -260,7 +256,7 @@ class Trainer:
         extra = {}
         if "position_ids" in batch and "attention_mask" not in batch:
             extra["attention_mask"] = document_mask(self.model.config, batch["position_ids"], self.device)
-        rows = target_rows(batch["labels"]) if "labels" in batch and self.cfg.train.loss_impl != "hf" else None
+        rows = target_rows(batch["labels"]) if "labels" in batch and self._takes_loss_rows else None
         if rows is not None:
             extra["loss_rows"] = host_to_device(rows, self.device)
         return {k: host_to_device(v, self.device) for k, v in batch.items()} | extra
@@ -295,7 +291,7 @@ class Trainer:
         world = self.world
         self._mark_step()
         # (a blocking copy to the device would wait for everything already queued on it)
-        n_targets = world.all_reduce_sum(host_to_device(sum(_count_targets(b) for b in batches), self.device))
+        n_targets = world.all_reduce_sum(host_to_device(sum(count_targets(b["labels"]) for b in batches), self.device))
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
         health: dict = {}
@@ -367,7 +363,7 @@ class Trainer:
         count = torch.zeros((), device=self.device, dtype=torch.float64)
         for idx in chunks:
             batch = self._to_device(collate([self.val_data[i] for i in idx]))
-            n = _count_targets(batch)
+            n = count_targets(batch["labels"])
             self._mark_step()
             with self._autocast():
                 out = self.model(**batch, num_items_in_batch=n)

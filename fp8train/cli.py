@@ -72,7 +72,8 @@ def _run_plot(args: argparse.Namespace) -> int:
 def _run_demo(args: argparse.Namespace) -> int:
     from .demo import DemoConfig, run_demo
 
-    run_demo(DemoConfig(out_dir=args.out, device=args.device, steps=args.steps, cpu_threads=args.threads or None))
+    run_demo(DemoConfig(out_dir=args.out, device=args.device, steps=args.steps, cpu_threads=args.threads or None,
+                        parallel=not args.sequential))
     return 0
 
 
@@ -123,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=None, help="override the number of steps")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads on a CPU (default 1, fastest on a busy machine; 0 = torch's default)")
+    p.add_argument("--sequential", action="store_true",
+                   help="on a CPU, run the FP8 and BF16 arms one after the other instead of side by side in two "
+                        "processes (the default where there is a core for each arm's threads)")
     p.set_defaults(func=_run_demo)
 
     from .bench import build_parser as build_bench_parser

@@ -135,6 +135,16 @@ def test_help_config_and_subcommands(capsys):
     assert {"train", "plot", "demo", "export", "eval"} <= set(sub.choices)
 
 
+def test_demo_command_passes_its_options(monkeypatch):
+    import fp8train.demo
+
+    seen = []
+    monkeypatch.setattr(fp8train.demo, "run_demo", seen.append)
+    assert main(["demo", "--out", "x", "--sequential", "--threads", "0"]) == 0
+    assert main(["demo"]) == 0
+    assert (seen[0].out_dir, seen[0].parallel, seen[0].cpu_threads) == ("x", False, None)
+    assert (seen[1].out_dir, seen[1].parallel, seen[1].cpu_threads) == ("runs/demo", True, 1)
+
 
 # ------------------------------------------------------------------ bad input: one line, exit 2, nothing written
 

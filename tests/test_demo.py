@@ -36,15 +36,18 @@ def test_sft_task_is_deterministic_and_holds_out_its_eval_problems():
     assert not {p["question"] for p in held_out} & {p["question"] for p in train}
 
 
-def test_demo_flow_end_to_end_scaled_down(tmp_path, monkeypatch, byte_tokenizer, capsys):
-    """Every stage with the byte tokenizer and a few steps each."""
-    monkeypatch.setattr(demo, "load_tokenizer", lambda source: load_tokenizer(str(byte_tokenizer)))
+def test_demo_flow_end_to_end_scaled_down(tmp_path, monkeypatch, byte_tokenizer, capfd):
+    """Every stage with the byte tokenizer and a few steps each: the arms side by side in two processes, then
+    again into the same folder one after the other, which must give the same numbers bit for bit."""
     small = dict(demo._SIZES["cpu"], steps=4, source_bytes=300_000, max_tokens=None)
     small["sft"] = dict(small["sft"], steps=4, samples=200)
-    monkeypatch.setitem(demo._SIZES, "cpu", small)
-    results = demo.run_demo(DemoConfig(out_dir=str(tmp_path), device="cpu"))
-    out = capsys.readouterr().out
+    monkeypatch.setitem(demo._SIZES, "cpu", small)  # read in this process: the arms get their configs made
+    monkeypatch.setattr(demo, "_side_by_side", lambda d, device: d.parallel)  # whatever this machine's cores
+    results = demo.run_demo(DemoConfig(out_dir=str(tmp_path), device="cpu", tokenizer=str(byte_tokenizer)))
+    out = capfd.readouterr().out
     assert set(results) == {"hybrid", "bf16"} and "relative gap FP8 vs BF16" in out
+    assert "run side by side, in two processes" in out
+    assert "[fp8] " in out and "[bf16] " in out  # the arms' own lines, each labelled
     for label in ("CPT train loss", "SFT val loss", "task accuracy (held out)", "fp8-block export"):
         assert label in out
     for r in results.values():
@@ -57,7 +60,13 @@ def test_demo_flow_end_to_end_scaled_down(tmp_path, monkeypatch, byte_tokenizer,
     assert config["quantization_config"]["weight_block_size"] == [128, 128]
     assert (tmp_path / "sft_bf16" / "final" / "config.json").is_file()
     assert json.loads((tmp_path / "eval_fp8_hybrid" / "metrics.json").read_text())["num_problems"] == 12
-    # run again into the same folder (`make demo` twice): the demo owns its runs, evaluations and export
+    # again into the same folder (`make demo` twice: the demo owns its runs, evaluations and export), one arm after
+    # the other in this process: each arm computes what it computed in its own process
     (tmp_path / "eval_bf16" / "metrics.json").unlink()
-    again = demo.run_demo(DemoConfig(out_dir=str(tmp_path), device="cpu", steps=2))
-    assert set(again) == {"hybrid", "bf16"} and (tmp_path / "eval_bf16" / "metrics.json").is_file()
+    again = demo.run_demo(DemoConfig(out_dir=str(tmp_path), device="cpu", tokenizer=str(byte_tokenizer),
+                                     parallel=False))
+    assert "side by side" not in capfd.readouterr().out
+    assert (tmp_path / "eval_bf16" / "metrics.json").is_file()
+    for recipe, r in results.items():
+        timeless = {k: v for k, v in r.items() if not k.endswith("seconds") and k != "export"}
+        assert timeless == {k: again[recipe][k] for k in timeless}, recipe

@@ -36,7 +36,6 @@ import shutil
 import sys
 import sysconfig
 import time
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -241,9 +240,7 @@ def _run(demo: DemoConfig, device: str) -> dict:
         threads = demo.cpu_threads or torch.get_num_threads()
         print(f"CPT, SFT and evaluation of FP8 (hybrid) and BF16 run side by side, in two processes of {threads} "
               f"thread(s) each (each computes what it computes alone; --sequential runs them one after the other)")
-        with ProcessPoolExecutor(max_workers=2, mp_context=multiprocessing.get_context("spawn")) as pool:
-            futures = [pool.submit(_run_arm, arm, threads, f"[{_LABELS[arm.recipe]}] ") for arm in arms]
-            done = [f.result() for f in futures]
+        done = _run_side_by_side(arms, threads)
     else:
         done = [_run_arm(arm, None, None, tokenizer, (train_data, val_data)) for arm in arms]
     results = {arm.recipe: r for arm, r in zip(arms, done)}
@@ -278,6 +275,19 @@ def _run(demo: DemoConfig, device: str) -> dict:
 _LABELS = {"hybrid": "fp8", "bf16": "bf16"}
 
 
+def _run_side_by_side(arms: list[_Arm], threads: int) -> list[dict]:
+    """`_run_arm` of each arm in a process of its own; the first arm to fail raises its error here at once, and
+    leaving the pool stops the others."""
+    with multiprocessing.get_context("spawn").Pool(len(arms)) as pool:
+        pending = [pool.apply_async(_run_arm, (arm, threads, f"[{_LABELS[arm.recipe]}] ")) for arm in arms]
+        while not all(p.ready() for p in pending):
+            for p in pending:
+                if p.ready() and not p.successful():
+                    p.get()  # raises the arm's exception
+            time.sleep(0.5)
+        return [p.get() for p in pending]
+
+
 def _run_arm(arm: _Arm, threads: int | None, prefix: str | None, tokenizer: "PreTrainedTokenizerBase | None" = None,
              cpt_data: tuple | None = None) -> dict:
     """1. CPT, 2. SFT from its checkpoint, 3. the evaluation of the SFT model, for one recipe. In a process of
@@ -290,6 +300,9 @@ def _run_arm(arm: _Arm, threads: int | None, prefix: str | None, tokenizer: "Pre
         # as the `fp8train` command does: without it each step page-faults its buffers in again (the demo took
         # 10 min 11 s on a 2-core AVX2 CPU, 635 s of it system time; 4 min 55 s and 32 s with it)
         keep_freed_memory()
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # (two processes' bars on one terminal: labelled lines only)
         sys.stdout, sys.stderr = _Prefixed(sys.stdout, prefix), _Prefixed(sys.stderr, prefix)
     with cpu_threads(threads):
         tokenizer = tokenizer or load_tokenizer(arm.tokenizer)
@@ -325,8 +338,9 @@ class _Prefixed(io.TextIOBase):
     def write(self, text: str) -> int:
         pieces = []
         for piece in text.splitlines(keepends=True):
-            pieces.append(self._prefix + piece if self._line_start else piece)
-            self._line_start = piece.endswith(("\n", "\r"))
+            visible = piece.strip("\r\n")
+            pieces.append(self._prefix + piece if self._line_start and visible else piece)
+            self._line_start = piece.endswith(("\n", "\r")) or (self._line_start and not visible)
         self._stream.write("".join(pieces))
         self._stream.flush()
         return len(text)

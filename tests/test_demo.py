@@ -70,3 +70,33 @@ def test_demo_flow_end_to_end_scaled_down(tmp_path, monkeypatch, byte_tokenizer,
     for recipe, r in results.items():
         timeless = {k: v for k, v in r.items() if not k.endswith("seconds") and k != "export"}
         assert timeless == {k: again[recipe][k] for k in timeless}, recipe
+
+
+def test_an_arm_that_fails_stops_the_other_and_raises_its_error(tmp_path, byte_tokenizer):
+    """Side by side, the first arm to fail raises its own error at once, and the other arm is stopped rather than
+    waited for (it would have run 400 steps)."""
+    from fp8train.eval import EvalConfig
+
+    files = stdlib_sources(300_000)
+    config = DemoConfig(out_dir=str(tmp_path), steps=400, tokenizer=str(byte_tokenizer))
+
+    def arm(recipe, cpt):
+        return demo._Arm(recipe, cpt, demo._sft_config(config, "cpu", recipe, tmp_path / "none.jsonl", tmp_path),
+                         EvalConfig(model="", data="", out=str(tmp_path / f"eval_{recipe}")), str(byte_tokenizer))
+
+    long = _demo_config(config, "cpu", "bf16", files, tmp_path)
+    long.data.max_tokens = None
+    broken = _demo_config(config, "cpu", "hybrid", [tmp_path / "missing.py"], tmp_path)
+    with pytest.raises(FileNotFoundError, match="missing.py"):
+        demo._run_side_by_side([arm("bf16", long), arm("hybrid", broken)], threads=1)
+    assert not list((tmp_path / "bf16").glob("checkpoints/*")) and not (tmp_path / "sft_bf16").exists()
+
+
+def test_prefixed_stream_labels_each_visible_line_once():
+    import io
+
+    sink = io.StringIO()
+    stream = demo._Prefixed(sink, "[x] ")
+    for text in ("a\nb", "c\n\rbar 1\rbar 2\n", "\n", "d\r\n"):
+        assert stream.write(text) == len(text)
+    assert sink.getvalue() == "[x] a\n[x] bc\n\r[x] bar 1\r[x] bar 2\n\n[x] d\r\n"

@@ -183,7 +183,9 @@ def _sft_config(demo: DemoConfig, device: str, recipe: str, data: Path, out: Pat
 
 def run_demo(demo: DemoConfig | None = None) -> dict:
     """Run CPT, SFT, evaluation (both recipes) and the FP8 export; return {recipe: {"loss", "val_loss",
-    "first_loss", "seconds", "sft_loss", "sft_val_loss", "accuracy"[, "export"]}} (CPT keys unprefixed)."""
+    "first_loss", "seconds", "sft_loss", "sft_val_loss", "accuracy"[, "export"]}} (CPT keys unprefixed).
+    Side by side (`DemoConfig.parallel`) the arms run in processes started with `spawn`, which import the
+    calling script again: a script that calls this needs the `if __name__ == "__main__":` guard."""
     demo = demo or DemoConfig()
     device = demo.device if demo.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     with cpu_threads(demo.cpu_threads if device == "cpu" else None):

@@ -192,6 +192,29 @@ def test_resume_refuses_a_changed_trajectory_and_writes_nothing(tmp_path, byte_t
     assert load_config(run_dir / "config.yaml").optim.lr == 1e-3
 
 
+def test_a_checkpoint_path_into_a_new_run_dir_branches_with_the_new_config(tmp_path, byte_tokenizer, corpus, capsys):
+    """`resume: <checkpoint>` into a run_dir without a run of its own: the checkpoint's config.yaml is compared,
+    and a changed lr applies from the checkpoint's step on and is logged (it was once ignored without a word:
+    the optimizer kept the checkpoint's lr while the branch's config.yaml recorded the new one)."""
+    Trainer(tiny_config(tmp_path, byte_tokenizer, corpus, **_SHORT), progress=False).fit()
+    ckpt = find_latest_checkpoint(tmp_path / "run" / "checkpoints")
+    capsys.readouterr()
+    same = Trainer(tiny_config(tmp_path, byte_tokenizer, corpus, resume=ckpt, run_dir=tmp_path / "same",
+                               **{**_SHORT, "train.steps": 3}), progress=False)
+    assert same.step == 2 and same.optimizer.param_groups[0]["initial_lr"] == 3e-3
+    assert "branching" not in capsys.readouterr().out
+    branch = Trainer(tiny_config(tmp_path, byte_tokenizer, corpus, resume=ckpt, run_dir=tmp_path / "branch",
+                                 **{**_SHORT, "train.steps": 3, "optim.lr": 1e-3}), progress=False)
+    assert branch.step == 2 and branch.optimizer.param_groups[0]["initial_lr"] == 1e-3
+    assert f"branching from {ckpt} with a changed trajectory: optim.lr 0.003 -> 0.001" in capsys.readouterr().out
+    assert sorted(branch.fit().losses) == [3]
+    assert load_config(tmp_path / "branch" / "config.yaml").optim.lr == 1e-3
+    # once the branch has a run of its own, it is compared with that, as `auto` is
+    with pytest.raises(ConfigError, match="optim.lr 0.001 -> 0.003"):
+        Trainer(tiny_config(tmp_path, byte_tokenizer, corpus, resume=ckpt, run_dir=tmp_path / "branch",
+                            **{**_SHORT, "train.steps": 3}), progress=False)
+
+
 def test_run_dir_with_metrics_but_no_checkpoint(tmp_path, byte_tokenizer, corpus, capsys):
     """A run that died before its first checkpoint: the same config starts it over (the same steps again);
     another config, or metrics without a config, refuse without touching metrics.jsonl."""

@@ -8,7 +8,8 @@ Before anything is built or written, the resolved config is compared with the ru
 (run_dir/config.yaml, else the config.yaml inside the checkpoint). A difference in anything that
 shapes the trajectory - model, tokenizer, stage, recipe and its knobs, data, optimizer and schedule,
 global batch, seed - refuses with one line listing each key with its old and new value; `resume: force`
-accepts them. Free to change, and recorded in the log: how and where the run executes (device,
+accepts them, as does a checkpoint path into a run_dir that holds no run yet (a branch: the checkpoint's own
+config.yaml is compared, and its changes apply). Free to change, and recorded in the log: how and where the run executes (device,
 micro-batch, compile, activation checkpointing, the distributed section, the token cache), how often
 it logs, evaluates and saves, and a longer run (`train.steps` / `train.epochs` raised).
 """
@@ -41,7 +42,8 @@ class ResumePlan:
     notes: list[str] = field(default_factory=list)
     """Lines for the log: accepted config changes, a run started over."""
     forced: bool = False
-    """`resume: force` accepted changes that shape the trajectory: the new optimizer settings apply."""
+    """`resume: force`, or a branch from another run's checkpoint, accepted changes that shape the trajectory:
+    the new optimizer and schedule settings apply."""
 
 
 def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
@@ -109,9 +111,12 @@ def plan_resume(cfg: TrainConfig) -> ResumePlan:
         return ResumePlan()
     explicit = mode not in ("auto", "force")
     ckpt = verify_checkpoint(Path(cfg.resume) if explicit else latest) if explicit or latest else None
+    # A checkpoint path into a run_dir without a run of its own branches: the new config's changes are the
+    # point, so they apply (as with force) and are logged, where they would otherwise be refused.
+    branch = explicit and not run_config.is_file()
     if run_config.is_file():
         saved, where = _read_yaml(run_config), run_config
-    elif ckpt is not None and not explicit and "config.yaml" in ckpt.files:  # verified with the checkpoint
+    elif ckpt is not None and "config.yaml" in ckpt.files:  # verified with the checkpoint
         where = ckpt.path / "config.yaml"
         saved = _read_yaml(where)
     elif logged and mode != "force":
@@ -120,13 +125,14 @@ def plan_resume(cfg: TrainConfig) -> ResumePlan:
     else:
         return ResumePlan(ckpt)
     trajectory, free = config_changes(saved, config_to_dict(cfg))
-    if trajectory and mode != "force":
+    if trajectory and mode != "force" and not branch:
         raise ConfigError(f"{run_dir} holds a run whose config ({where}) differs in what shapes its trajectory: "
                           f"{'; '.join(trajectory)}. Use a new run_dir for a new run, or resume=force to continue "
                           "this one with the new values")
     notes = [f"config changed since {where}: {'; '.join(free)}"] if free else []
     if trajectory:
-        notes.append(f"resume=force: continuing with a changed trajectory: {'; '.join(trajectory)}")
+        notes.append(f"branching from {ckpt.path} with a changed trajectory: {'; '.join(trajectory)}" if branch else
+                     f"resume=force: continuing with a changed trajectory: {'; '.join(trajectory)}")
     if ckpt is None and logged:
         notes.append(f"{run_dir} has no checkpoint yet: the run starts over from step 0 (metrics.jsonl is rewritten)")
     return ResumePlan(ckpt, notes, forced=bool(trajectory))

@@ -210,7 +210,7 @@ class Trainer:
         configured = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         state = load_checkpoint(ckpt, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler)
         restore_step_impl(self.optimizer, configured)  # optim.impl is the config's, not the saving run's
-        if self._resume_plan.forced:  # resume=force: the config's optimizer and schedule apply from here on
+        if self._resume_plan.forced:  # force or a branch: the config's optimizer and schedule apply from here on
             sched = self.scheduler
             for group, new in zip(self.optimizer.param_groups, configured):
                 group.update(new)

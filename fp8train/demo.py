@@ -83,6 +83,12 @@ class DemoConfig:
     tokenizer: str | None = None
     """`load_tokenizer`'s source; None: the real Qwen2.5 tokenizer."""
 
+    def __post_init__(self):
+        if self.steps is not None and self.steps < 2:  # (checked before minutes of work, not after)
+            raise ValueError(f"demo: --steps must be at least 2 (a warmup and a decay step), got {self.steps}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"demo: --device must be auto, cpu or cuda, got {self.device!r}")
+
 
 # CPT: (model overrides, seq_len, global_batch, micro_batch, steps, peak lr, source bytes, token budget);
 # sft: the SFT run on the generated task (steps, rows of seq_len tokens, batch, peak lr, chats generated).
@@ -133,7 +139,7 @@ def _run_name(recipe: str) -> str:
 
 def _demo_config(demo: DemoConfig, device: str, recipe: str, files: list[Path], out: Path) -> TrainConfig:
     size = _SIZES[device]
-    steps = demo.steps or size["steps"]
+    steps = size["steps"] if demo.steps is None else demo.steps
     return TrainConfig(
         stage="cpt", run_dir=str(out / _run_name(recipe)), resume="none", seed=demo.seed, device=device, recipe=recipe,
         model=ModelConfig(source="tiny-qwen2", tie_embeddings=True, **size["model"]),
@@ -168,7 +174,7 @@ def _write_jsonl(path: Path, rows: list[dict]) -> Path:
 def _sft_config(demo: DemoConfig, device: str, recipe: str, data: Path, out: Path) -> TrainConfig:
     """The SFT run of `recipe`; its model, the CPT checkpoint, is set by `_run_arm` once CPT has run."""
     size = _SIZES[device]["sft"]
-    steps = demo.steps or size["steps"]
+    steps = size["steps"] if demo.steps is None else demo.steps
     return TrainConfig(
         stage="sft", run_dir=str(out / f"sft_{_run_name(recipe)}"), resume="none", seed=demo.seed, device=device,
         recipe=recipe, model=ModelConfig(source=""),
@@ -278,16 +284,53 @@ _LABELS = {"hybrid": "fp8", "bf16": "bf16"}
 
 
 def _run_side_by_side(arms: list[_Arm], threads: int) -> list[dict]:
-    """`_run_arm` of each arm in a process of its own; the first arm to fail raises its error here at once, and
-    leaving the pool stops the others."""
-    with multiprocessing.get_context("spawn").Pool(len(arms)) as pool:
-        pending = [pool.apply_async(_run_arm, (arm, threads, f"[{_LABELS[arm.recipe]}] ")) for arm in arms]
-        while not all(p.ready() for p in pending):
-            for p in pending:
-                if p.ready() and not p.successful():
-                    p.get()  # raises the arm's exception
-            time.sleep(0.5)
-        return [p.get() for p in pending]
+    """`_run_arm` of each arm in a process of its own (spawned: the parent has run the tokenizer's threads). The
+    first arm to fail, or whose process dies (the OOM killer, a signal), raises here at once, and the others are
+    stopped rather than waited for."""
+    ctx = multiprocessing.get_context("spawn")
+    running = []
+    try:
+        for arm in arms:
+            receive, send = ctx.Pipe(duplex=False)
+            process = ctx.Process(target=_arm_process, args=(arm, threads, f"[{_LABELS[arm.recipe]}] ", send),
+                                  name=f"fp8train-demo-{_LABELS[arm.recipe]}", daemon=True)
+            process.start()
+            send.close()  # (the child's end: a child that dies closes the pipe, and `poll` sees it)
+            running.append((arm, process, receive))
+        results = {}
+        while len(results) < len(running):
+            for arm, process, receive in running:
+                if arm.recipe in results or not receive.poll(0.2):
+                    continue
+                try:
+                    ok, value = receive.recv()
+                except EOFError:  # the process ended without a word
+                    process.join(5)
+                    code = process.exitcode
+                    how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+                    raise RuntimeError(f"the demo's {_LABELS[arm.recipe]} arm's process ended without a result "
+                                       f"({how}; out of memory?)") from None
+                if not ok:
+                    raise value
+                results[arm.recipe] = value
+        return [results[arm.recipe] for arm in arms]
+    finally:
+        for _, process, _ in running:
+            if process.is_alive():
+                process.terminate()
+            process.join()
+
+
+def _arm_process(arm: _Arm, threads: int, prefix: str, send) -> None:
+    """An arm's process: `_run_arm`, then (True, its result) or (False, the exception) to the parent."""
+    try:
+        message = (True, _run_arm(arm, threads, prefix))
+    except BaseException as e:  # (KeyboardInterrupt too: the parent decides)
+        message = (False, e)
+    try:
+        send.send(message)
+    except Exception:  # an exception that does not pickle: its type and message
+        send.send((False, RuntimeError(f"{type(message[1]).__name__}: {message[1]}")))
 
 
 def _run_arm(arm: _Arm, threads: int | None, prefix: str | None, tokenizer: "PreTrainedTokenizerBase | None" = None,

@@ -146,6 +146,14 @@ def test_demo_command_passes_its_options(monkeypatch):
     assert (seen[1].out_dir, seen[1].parallel, seen[1].cpu_threads) == ("runs/demo", True, 1)
 
 
+@pytest.mark.parametrize("steps", ["0", "1", "-3"])
+def test_demo_refuses_too_few_steps_before_any_work(steps, tmp_path, capsys):
+    assert main(["demo", "--steps", steps, "--out", str(tmp_path / "demo")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--steps must be at least 2 (a warmup and a decay step), got {steps}" in err
+    assert not (tmp_path / "demo").exists()  # nothing tokenized, nothing written
+
+
 # ------------------------------------------------------------------ bad input: one line, exit 2, nothing written
 
 

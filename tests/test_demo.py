@@ -92,6 +92,46 @@ def test_an_arm_that_fails_stops_the_other_and_raises_its_error(tmp_path, byte_t
     assert not list((tmp_path / "bf16").glob("checkpoints/*")) and not (tmp_path / "sft_bf16").exists()
 
 
+def test_an_arm_whose_process_dies_raises_instead_of_hanging(tmp_path, byte_tokenizer):
+    """The OOM killer or a signal ends an arm's process without a word: the demo says so and stops the other arm,
+    where a pool would have waited for the lost arm forever."""
+    import multiprocessing
+    import os
+    import signal
+    import threading
+    import time
+
+    from fp8train.eval import EvalConfig
+
+    files = stdlib_sources(300_000)
+    config = DemoConfig(out_dir=str(tmp_path), steps=400, tokenizer=str(byte_tokenizer))
+    arms = []
+    for recipe in ("hybrid", "bf16"):
+        cpt = _demo_config(config, "cpu", recipe, files, tmp_path)
+        cpt.data.max_tokens = None
+        arms.append(demo._Arm(recipe, cpt, demo._sft_config(config, "cpu", recipe, tmp_path / "none.jsonl", tmp_path),
+                              EvalConfig(model="", data="", out=str(tmp_path / f"eval_{recipe}")), str(byte_tokenizer)))
+    outcome = []
+
+    def side_by_side():
+        try:
+            demo._run_side_by_side(arms, threads=1)
+        except Exception as e:
+            outcome.append(e)
+
+    runner = threading.Thread(target=side_by_side)
+    runner.start()
+    while len(multiprocessing.active_children()) < 2 and runner.is_alive():
+        time.sleep(0.1)
+    victim = next(p for p in multiprocessing.active_children() if p.name == "fp8train-demo-bf16")
+    time.sleep(2)
+    os.kill(victim.pid, signal.SIGKILL)
+    runner.join(timeout=60)
+    assert not runner.is_alive(), "the demo waited for an arm whose process had died"
+    assert len(outcome) == 1 and "bf16 arm's process ended without a result (killed by signal 9" in str(outcome[0])
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("fp8train-demo")]  # fp8 stopped
+
+
 def test_prefixed_stream_labels_each_visible_line_once():
     import io
 

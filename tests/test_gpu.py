@@ -5,6 +5,7 @@ GEMMs must match the CPU emulation up to FP32 summation order and the BF16 outpu
 """
 
 import contextlib
+import json
 import math
 
 import pytest
@@ -13,6 +14,7 @@ import torch
 from fp8train import FP8Linear, compile_options, convert_to_fp8, make_recipe, quantize
 from fp8train.fp8.operands import LinearPlan
 from fp8train.fp8.recipe import Fp8Format
+from test_trainer import byte_tokenizer, corpus  # noqa: F401  (fixtures)
 
 cuda_sm90 = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
 pytestmark = pytest.mark.skipif(not cuda_sm90, reason="needs a CUDA GPU with FP8 tensor cores (SM90)")
@@ -658,6 +660,25 @@ def test_trainer_enqueues_a_step_without_waiting_for_the_gpu(mode, variant):
     assert abs(res["loss_last"] - sdpa["loss_last"]) <= 1e-3 * abs(sdpa["loss_last"])
     # (bench's steps: random tokens at lr 1e-5, so the loss need not fall in six steps)
     assert res["skipped_steps"] == 0 and math.isfinite(res["loss_first"]) and math.isfinite(res["loss_last"])
+
+
+def test_fit_times_each_logged_step_on_the_gpu_between_cuda_events(tmp_path, byte_tokenizer, corpus):
+    """The trainer's loop on CUDA, logging every step, with evaluation and saves between: each step's tokens/s is
+    timed between CUDA events (the end of the step before it, or of an evaluation or save, and its own end), read
+    once the next step is queued; every rate is finite and positive, and the steps around an evaluation or save
+    are within 10x of the others (a window that closed on a step finished at once read ~0 s: 200x on a CPU)."""
+    from test_trainer import tiny_config
+
+    from fp8train.train.trainer import Trainer
+
+    cfg = tiny_config(tmp_path, byte_tokenizer, corpus, **{"device": "cuda", "recipe": "hybrid", "train.steps": 9,
+                                                            "train.eval_every": 3, "train.save_every": 3})
+    Trainer(cfg, progress=False).fit()
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rates = {r["step"]: r["tokens_per_s"] for r in records if "tokens_per_s" in r}
+    assert sorted(rates) == list(range(1, 10)) and all(math.isfinite(v) and v > 0 for v in rates.values()), rates
+    later = sorted(rates[s] for s in range(2, 10))  # (step 1 compiles nothing, but warms the allocator)
+    assert later[-1] <= 10 * later[len(later) // 2] and later[0] >= later[len(later) // 2] / 10, rates
 
 
 @pytest.mark.parametrize("mode", ["compiled", "cudagraphs"])

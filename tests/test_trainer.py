@@ -462,3 +462,33 @@ def test_deep_gemm_config_key(tmp_path, byte_tokenizer, corpus, monkeypatch):
         Trainer(tiny_config(tmp_path, byte_tokenizer, corpus, deep_gemm="true", run_dir=str(run_dir)), progress=False)
     assert not run_dir.exists()
     assert gemm.load_deep_gemm is not missing  # the module's own function untouched
+
+
+def test_logged_throughput_times_each_step_and_not_its_neighbours(tmp_path, byte_tokenizer, corpus, monkeypatch):
+    """Steps overlap (step N is logged after step N + 1 is enqueued), and a step that evaluates or saves is finished
+    at once: each step's tokens/s is still its own, timed from the end of the step before it (or of an evaluation
+    or save) to its own end. On a clock that only the steps (1 s each) and evaluation and saving (5 s) advance,
+    every logged rate is exactly tokens / 1 s; a window timed from the last report read ~0 s for a step finished
+    at once (76,401 tokens/s among ~375 on a CPU) and two steps for the step after it."""
+    from fp8train.train import metrics, trainer as trainer_module
+
+    clock = [0.0]
+    monkeypatch.setattr(metrics, "device_clock", lambda device: clock[0])
+    monkeypatch.setattr(trainer_module, "device_clock", lambda device: clock[0])
+    t = Trainer(tiny_config(tmp_path, byte_tokenizer, corpus, **{"train.steps": 8, "train.eval_every": 3,
+                                                                  "train.save_every": 4, "train.health_every": 0}),
+                progress=False)
+
+    def costs(seconds, method):
+        def timed(*args, **kwargs):
+            clock[0] += seconds  # the work, done as it is issued (a CPU)
+            return method(*args, **kwargs)
+        return timed
+
+    monkeypatch.setattr(t, "enqueue_step", costs(1.0, t.enqueue_step))
+    monkeypatch.setattr(t, "evaluate", costs(5.0, t.evaluate))
+    monkeypatch.setattr(t, "save", costs(5.0, t.save))
+    t.fit()
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rates = {r["step"]: r["tokens_per_s"] for r in records if "tokens_per_s" in r}
+    assert sorted(rates) == list(range(1, 9)) and set(rates.values()) == {8 * 64 / 1.0}, rates

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["flops_per_token", "peak_tflops", "MetricsLogger", "Throughput", "read_jsonl", "health_summary",
+__all__ = ["device_clock", "flops_per_token", "peak_tflops", "MetricsLogger", "Throughput", "read_jsonl", "health_summary",
            "health_scalars", "peak_memory_gib", "REPORT_TO", "resolve_report_to"]
 
 # Dense datasheet peaks in TFLOP/s per GPU: (BF16, FP8). None = no FP8 tensor cores.
@@ -288,8 +288,27 @@ class MetricsLogger:
         self._trackers = []
 
 
+def device_clock(device: torch.device) -> "float | torch.cuda.Event":
+    """Now, in the order of the device's work: on CUDA a timed event recorded on the current stream (it completes
+    once everything queued before it is done), elsewhere the host's clock (a CPU runs work as it is issued)."""
+    if device.type == "cuda":
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+    return time.perf_counter()
+
+
+def _seconds_between(start: "float | torch.cuda.Event", end: "float | torch.cuda.Event") -> float:
+    if isinstance(end, torch.cuda.Event):
+        end.synchronize()  # (the next step is queued by then: the device does not wait for the host)
+        return start.elapsed_time(end) / 1e3
+    return end - start
+
+
 class Throughput:
-    """Tokens/s, TFLOP/s and MFU over the training steps since the last `report` (device-synchronized).
+    """Tokens/s, TFLOP/s and MFU of the training steps added since the last `report`, timed on the device's clock
+    (`device_clock`) from the end of the step before them (or a `reset`) to the end of the last one: steps that
+    overlap the host's work are timed as the device runs them, without a wait that would stop the overlap.
 
     tokens_per_s counts the tokens of all ranks; tflops and mfu are per device.
     """
@@ -299,22 +318,19 @@ class Throughput:
         self.flops_per_token: float | None = None
         self.reset()
 
-    def _now(self) -> float:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
-
     def reset(self) -> None:
-        """Start a new window (after evaluation or checkpointing, which are not training time)."""
-        self._tokens = 0
-        self._t0 = self._now()
+        """Start a new window now (after evaluation or checkpointing, which are not training time)."""
+        self._tokens, self._start, self._end = 0, device_clock(self.device), None
 
-    def add(self, tokens: int) -> None:
+    def add(self, tokens: int, ended: "float | torch.cuda.Event") -> None:
+        """A step of `tokens`, whose work was done at `ended` (its `device_clock` after its last work)."""
         self._tokens += tokens
+        self._end = ended
 
     def report(self) -> dict:
-        dt = max(self._now() - self._t0, 1e-9)
+        dt = max(_seconds_between(self._start, self._end), 1e-9) if self._end is not None else 1e-9
         tps = self._tokens / dt
         tflops = tps * (self.flops_per_token or 0.0) / self.world_size / 1e12
-        self.reset()
+        if self._end is not None:
+            self._tokens, self._start, self._end = 0, self._end, None
         return {"tokens_per_s": tps, "tflops": tflops, "mfu": tflops / self.peak if self.peak else None}

@@ -36,7 +36,7 @@ from .checkpoint import find_latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainConfig, config_to_dict
 from .distributed import World
 from .loss import count_targets, target_rows, use_loss
-from .metrics import MetricsLogger, Throughput, flops_per_token, peak_memory_gib, peak_tflops
+from .metrics import MetricsLogger, Throughput, device_clock, flops_per_token, peak_memory_gib, peak_tflops
 from .lora import apply_lora, is_lora
 from .model import PRESETS, build_model, check_weights_match, load_model_tokenizer, parallelize_model
 from .optim import (build_optimizer, build_scheduler, gradient_norm, optimizer_step, optimizer_step_on_device,
@@ -85,6 +85,8 @@ class StepInFlight:
     """FP8 health stats, where it tracked them."""
     values: Callable[[], torch.Tensor]
     """Waits for this step's [loss, grad norm] on the host and returns them."""
+    ended: "float | torch.cuda.Event"
+    """When its work is done, on the device's clock (`device_clock`): what its throughput is timed by."""
 
 
 def _pick_device(name: str) -> torch.device:
@@ -329,7 +331,7 @@ class Trainer:
         tokens = sum(b["input_ids"].numel() for b in batches) * world.world_size
         self.tokens_seen += tokens
         return StepInFlight(self.step, lr, tokens, self.tokens_seen, batches[0]["input_ids"].shape[1], health,
-                            values)
+                            values, device_clock(self.device))
 
     def finish_step(self, step: StepInFlight) -> tuple[float, float, dict]:
         """(loss, grad_norm, fp8 health stats) of an enqueued step, waiting for that step only; a non-finite
@@ -430,7 +432,7 @@ class Trainer:
     def _finish(self, step: StepInFlight, throughput: Throughput, result: TrainResult) -> None:
         loss, grad_norm, health = self.finish_step(step)
         result.losses[step.step] = loss
-        throughput.add(step.tokens)
+        throughput.add(step.tokens, step.ended)
         if throughput.flops_per_token is None:
             throughput.flops_per_token = flops_per_token(self.model.config, step.seq_len,
                                                          weight_grads=not self.cfg.model.lora.enabled)

@@ -98,3 +98,30 @@ def test_report_to_values_and_one_line_errors(tmp_path, byte_tokenizer, corpus, 
     message = str(info.value)
     assert "\n" not in message and "train.report_to" in message and "pip install wandb" in message
     assert resolve_report_to("all") == ["tensorboard", "mlflow"]  # `all` = the installed ones
+
+
+def test_a_tracker_that_cannot_start_is_a_one_line_config_error(tmp_path, byte_tokenizer, corpus, monkeypatch,
+                                                                capsys):
+    """MLflow 3's default store (SQLite, which mlflow-skinny cannot open) fails its first run: one line naming the
+    key, the tracker's own message and what to set, exit 2; no metrics written."""
+    from fp8train.cli import main
+    from test_trainer import TINY_CONFIG, tiny_overrides
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    overrides = tiny_overrides(tmp_path, byte_tokenizer, corpus, **{"train.steps": 8, "train.report_to": "[mlflow]"})
+    try:
+        mlflow.start_run()
+    except Exception:
+        pass
+    else:
+        mlflow.end_run()
+        pytest.skip("this MLflow opens a SQLite store (the full package): nothing fails to start")
+    assert main(["train", "--no-progress", str(TINY_CONFIG), *overrides]) == 2
+    err = capsys.readouterr().err
+    line = err.splitlines()[-1]  # (after the tokenizer's progress bar)
+    assert line.startswith("fp8train train: error: train.report_to=[mlflow] (command line): config key "
+                           "'train.report_to': mlflow could not start a run ("), err
+    assert line.endswith("MLFLOW_ALLOW_FILE_STORE=true (MLflow 3)") and "Traceback" not in err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

@@ -198,6 +198,12 @@ class _MLflow:
 
 
 _TRACKERS = {"tensorboard": _TensorBoard, "wandb": _WandB, "mlflow": _MLflow}
+_START_HINT = {
+    "tensorboard": "check that run_dir is writable",
+    "wandb": "log in (`wandb login`, or WANDB_API_KEY), or set WANDB_MODE=offline",
+    "mlflow": "set MLFLOW_TRACKING_URI to a tracking server, or to a local folder (file:/path) with "
+              "MLFLOW_ALLOW_FILE_STORE=true (MLflow 3)",
+}
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict[str, str]:
@@ -225,17 +231,26 @@ class MetricsLogger:
         if not enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        for name in resolve_report_to(report_to):  # first: a tracker that cannot start leaves the metrics as they are
+            self._trackers.append(self._start(name, start_step, config or {}))
         self.metrics_path = self.run_dir / "metrics.jsonl"
         self.health_path = self.run_dir / "fp8_health.jsonl"
         for path in (self.metrics_path, self.health_path):
             _truncate_jsonl(path, start_step)
-        for name in resolve_report_to(report_to):
-            self._trackers.append(_TRACKERS[name](self.run_dir, start_step, config or {}))
         if progress:
             from tqdm.auto import tqdm
 
             self._bar = tqdm(total=total_steps, initial=start_step, desc=self.run_dir.name, unit="step",
                              dynamic_ncols=True)
+
+    def _start(self, name: str, start_step: int, config: dict):
+        try:
+            return _TRACKERS[name](self.run_dir, start_step, config)
+        except Exception as e:  # (W&B without a login, MLflow without a store it can write: the tracker's own line)
+            self.close()
+            message = " ".join(str(e).split())[:300] or type(e).__name__
+            raise ValueError(f"config key 'train.report_to': {name} could not start a run ({type(e).__name__}: "
+                             f"{message}); {_START_HINT[name]}") from None
 
     def _append(self, path: Path, record: dict) -> None:
         with open(path, "a", encoding="utf-8") as f:

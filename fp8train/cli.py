@@ -180,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
 
         hf_logging.disable_progress_bar()  # a "Writing model shards" bar per checkpoint would bury ours
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    # (its INFO names the temporary folder an export is written to before the rename; ours names the result)
+    logging.getLogger("huggingface_hub").setLevel(logging.WARNING)
     from .train.checkpoint import CorruptCheckpointError
     from .train.trainer import NonFiniteLossError
 

@@ -257,6 +257,25 @@ def test_refusals_before_any_data_is_read(hf_dirs, tmp_path, capsys, byte_tokeni
                        unwritten=[tmp_path / "cache"])
 
 
+def test_a_path_that_is_not_there_names_its_key(tmp_path, capsys, byte_tokenizer, corpus):
+    """A tokenizer, a file pattern or a checkpoint path the user typed wrong: the line names the key as typed."""
+    cases = ((["model.tokenizer=" + str(tmp_path / "nope")], "config key 'model.tokenizer': "),
+             ([f"data.paths=[{corpus.parent}]", "data.include=[*.zzz]"], "has no file matching data.include ['*.zzz']"),
+             (["resume=" + str(tmp_path / "step_x")], "config key 'resume': checkpoint directory"))
+    for overrides, message in cases:
+        line = _fails_in_one_line(_train_argv(tmp_path, byte_tokenizer, corpus, *overrides), capsys, message,
+                                  unwritten=[tmp_path / "run"])
+        assert f"{overrides[-1]} (command line): " in line, line
+
+
+def test_malformed_jsonl_names_the_file_line_and_column(tmp_path, capsys, byte_tokenizer):
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"text": "one"}\n{"text": "two"}\n{"text": "three"}\n{"text": }\n')
+    line = _fails_in_one_line(_train_argv(tmp_path, byte_tokenizer, data, "data.include=['*.jsonl']"), capsys,
+                              f"{data}:4: malformed JSON (Expecting value at column 10)")
+    assert "line 2" not in line  # (json's own position, counted within the line's bytes)
+
+
 def test_a_binary_program_is_not_trained_on(tmp_path, capsys, byte_tokenizer, corpus):
     import sys
 

@@ -248,3 +248,8 @@ def test_datasets_folders_arrow_files_and_hub_cache(tok, tmp_path, monkeypatch):
             assert np.array_equal(train.labels, reference.labels), (name, cfg)
     with pytest.raises(ValueError, match=r"row 0: neither a 'messages' column nor 'prompt' \+ 'response'"):
         build_sft_datasets(SftDataConfig(paths=[str(tmp_path / "pairs" / "saved")], seq_len=64), tok, seed=0)
+    # a chat column the user names and the dataset lacks: refused, not read as the prompt/response columns
+    named = HfDatasetConfig(name="someone/corpus", cache_dir=str(src["cache"]), column="dialog")  # (the pairs)
+    with pytest.raises(ValueError, match=r"no column 'dialog' \(data.hf_dataset.column\); columns: \['question'"):
+        build_sft_datasets(SftDataConfig(hf_dataset=named, seq_len=64, prompt_field="question",
+                                         response_field="solution"), tok, seed=0)

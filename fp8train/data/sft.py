@@ -137,12 +137,15 @@ def _parse_record(record: dict, cfg: SftDataConfig, where: str, messages_field: 
 _SFT_FILES = ["*.jsonl", "*.parquet", "*.arrow"]
 
 
-def _chat_columns(cfg: SftDataConfig, messages_field: str):
-    """Picks a table's chat column, else its prompt and response columns."""
+def _chat_columns(cfg: SftDataConfig, messages_field: str, named: bool = False):
+    """Picks a table's chat column, else its prompt and response columns; only the chat column where it is
+    `named` (data.hf_dataset.column: a column the user names and the table lacks is an error, not a fallback)."""
 
     def pick(names: list[str], where: str) -> list[str]:
         if messages_field in names:
             return [messages_field]
+        if named:
+            raise ValueError(f"{where}: no column {messages_field!r} (data.hf_dataset.column); columns: {names}")
         if cfg.prompt_field in names and cfg.response_field in names:
             return [cfg.prompt_field, cfg.response_field]
         raise ValueError(f"{where} row 0: neither a {messages_field!r} column nor {cfg.prompt_field!r} + "
@@ -156,8 +159,9 @@ def _read_samples(cfg: SftDataConfig) -> list[tuple[str, list[dict[str, str]]]]:
     """All samples of all sources as (where, messages), in order; `where` is file:line or `<source> row N`."""
     samples = []
     for src in list_sources(cfg.paths, _SFT_FILES, other="jsonl", hf=cfg.hf_dataset):
-        messages_field = (src.hf.column if src.hf is not None else None) or cfg.messages_field
-        for where, record, _ in iter_records(src, _chat_columns(cfg, messages_field)):
+        named = src.hf is not None and src.hf.column is not None
+        messages_field = src.hf.column if named else cfg.messages_field
+        for where, record, _ in iter_records(src, _chat_columns(cfg, messages_field, named)):
             if record is not None:
                 samples.append((where, _parse_record(record, cfg, where, messages_field)))
     if not samples:

@@ -92,7 +92,7 @@ def list_sources(paths: list[str], include: list[str], *, other: str, hf: HfData
                 found += [((here / f).resolve(), _kind(here / f, other)) for f in files
                           if any(fnmatch.fnmatch(f, pat) for pat in include)]
             if not found:
-                raise ValueError(f"data.paths: folder {path} has no file matching {include}")
+                raise ValueError(f"config key 'data.paths': folder {path} has no file matching data.include {include}")
             sources += [Source(kind, p, named=False) for p, kind in sorted(found)]
         elif path.is_file():
             sources.append(Source(_kind(path, other), path.resolve()))
@@ -162,8 +162,10 @@ def _iter_jsonl(path: Path) -> Iterator[tuple[str, dict | None, int]]:
                 continue
             try:
                 record = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise ValueError(f"{where}: malformed JSON ({e})") from None
+            except json.JSONDecodeError as e:  # (its own "line 2" would be the line's end, not the file's)
+                raise ValueError(f"{where}: malformed JSON ({e.msg} at column {e.colno})") from None
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{where}: malformed JSON (not UTF-8: {e.reason} at byte {e.start})") from None
             if not isinstance(record, dict):
                 raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
             yield where, record, len(raw)

@@ -19,6 +19,7 @@ from torch import nn
 
 from ..fp8.convert import compile_options
 from ..fp8.quant import round_up
+from .schema import ConfigError
 from .lora import LoraConfig, base_model
 
 __all__ = ["ModelConfig", "PRESETS", "build_model", "check_weights_match", "decoder_layers", "load_model_tokenizer",
@@ -118,7 +119,10 @@ def load_model_tokenizer(cfg: ModelConfig):
     from ..data.tokenizer import has_tokenizer_files
 
     if cfg.tokenizer is not None:
-        return load_tokenizer(cfg.tokenizer)
+        try:
+            return load_tokenizer(cfg.tokenizer)
+        except (FileNotFoundError, ValueError) as e:
+            raise ConfigError(f"config key 'model.tokenizer': {e}", "model.tokenizer") from None
     kind = _source_kind(cfg.source)
     if kind == "gguf":
         from transformers import AutoTokenizer

@@ -110,7 +110,10 @@ def plan_resume(cfg: TrainConfig) -> ResumePlan:
                                   "to continue it, or a new run_dir")
         return ResumePlan()
     explicit = mode not in ("auto", "force")
-    ckpt = verify_checkpoint(Path(cfg.resume) if explicit else latest) if explicit or latest else None
+    try:
+        ckpt = verify_checkpoint(Path(cfg.resume) if explicit else latest) if explicit or latest else None
+    except FileNotFoundError as e:  # (a typo in the path: the key names it; a corrupt checkpoint says so itself)
+        raise ConfigError(f"config key 'resume': {e} (or use auto, force or none)", "resume") from None
     # A checkpoint path into a run_dir without a run of its own branches: the new config's changes are the
     # point, so they apply (as with force) and are logged, where they would otherwise be refused.
     branch = explicit and not run_config.is_file()

@@ -30,6 +30,7 @@ import argparse
 import copy
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -171,6 +172,9 @@ def export_checkpoint(
 
     if format not in EXPORT_FORMATS:
         raise ValueError(f"export: unknown format {format!r}; expected one of {list(EXPORT_FORMATS)}")
+    if not re.fullmatch(r"\d+|\d+(\.\d+)?\s*[KMGT]B", str(max_shard_size).strip(), re.IGNORECASE):  # (before the work)
+        raise ValueError(f"export: --max-shard-size {max_shard_size!r}: expected a size such as 5GB or 500MB "
+                         "(units KB, MB, GB, TB)")
     src, out = Path(src), Path(out_dir)
     model_dir = _resolve_model_dir(src)
     if "quantization_config" in json.loads((model_dir / "config.json").read_text()):

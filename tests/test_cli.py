@@ -117,6 +117,10 @@ def test_sft_end_to_end(tmp_path, byte_tokenizer):
     (["train"], 2, "give a config file"),
     (["train", str(TINY_CONFIG), "--no-progress", "train.stepz=1"], 2, "did you mean 'train.steps'"),
     (["plot", "/no/such/run", "-o", "x.png"], 2, "metrics.jsonl does not exist"),
+    (["eval", "m", "--data", "d.jsonl", "--samples", "0"], 2, "eval: invalid samples=0 (--samples)"),
+    (["eval", "m", "--data", "d.jsonl", "--greedy", "--samples", "2"], 2, "use --samples 1"),
+    (["export", "/no/such/ckpt", "-o", "out", "--max-shard-size", "5XB"], 2,
+     "export: --max-shard-size '5XB': expected a size such as 5GB"),
 ])
 def test_cli_errors_are_one_line_messages(argv, code, message, capsys, tmp_path, monkeypatch, byte_tokenizer):
     monkeypatch.chdir(tmp_path)

@@ -92,9 +92,11 @@ class EvalConfig:
         }
         for key, ok in checks.items():
             if not ok:
-                raise ValueError(f"eval: invalid {key}={getattr(self, key)!r}")
+                flag = "--threads" if key == "cpu_threads" else f"--{key.replace('_', '-')}"
+                raise ValueError(f"eval: invalid {key}={getattr(self, key)!r} ({flag})")
         if self.greedy and self.samples > 1:
-            raise ValueError("eval: greedy decoding with samples > 1 gives identical samples; use samples=1")
+            raise ValueError("eval: greedy decoding with samples > 1 gives identical samples; use --samples 1 (or "
+                             "sample with a --temperature instead of --greedy)")
         self.choices_field = tuple(self.choices_field)
 
     def out_dir(self) -> Path:

@@ -110,6 +110,8 @@ def test_sft_end_to_end(tmp_path, byte_tokenizer):
 
 @pytest.mark.parametrize("argv,code,message", [
     (["train", str(TINY_CONFIG), "optim.lrr=1"], 2, "unknown config key 'optim.lrr' (did you mean 'optim.lr'?)"),
+    (["train", str(TINY_CONFIG), "lr=1"], 2, "unknown config key 'lr' (did you mean 'optim.lr'?)"),
+    (["train", str(TINY_CONFIG), "seq_len=64"], 2, "unknown config key 'seq_len' (did you mean 'data.seq_len'?)"),
     (["train", str(TINY_CONFIG), "train.micro_batch=3"], 2, "'train.global_batch' (8) must be a multiple"),
     (["train", "missing.yaml"], 2, "config file missing.yaml does not exist"),
     (["train", str(TINY_CONFIG), "data.paths=[/no/such/dir]"], 2,

@@ -78,8 +78,14 @@ def type_name(tp: Any) -> str:
     return str(tp).replace("typing.", "").replace("NoneType", "null")
 
 
-def _suggest(key: str, valid: list[str], prefix: str) -> str:
-    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+def _suggest(key: str, cls: type, prefix: str) -> str:
+    """A key of that name one section down (`lr` -> `optim.lr`), else the closest key of `cls`."""
+    hints = field_hints(cls)
+    for f in fields(cls):
+        sections = [a for a in (hints[f.name], *typing.get_args(hints[f.name])) if is_dataclass(a)]
+        if any(key in {g.name for g in fields(section) if g.init} for section in sections):
+            return f" (did you mean {_join(prefix, f'{f.name}.{key}')!r}?)"
+    close = difflib.get_close_matches(key, [f.name for f in fields(cls) if f.init], n=1, cutoff=0.5)
     return f" (did you mean {_join(prefix, close[0])!r}?)" if close else ""
 
 
@@ -179,7 +185,7 @@ def from_dict(cls: type, raw: dict, prefix: str = "", overrides: dict[str, Any] 
     for key in raw:
         if key not in init_fields:
             raise ConfigError(f"unknown config key {_join(prefix, str(key))!r}"
-                              f"{_suggest(str(key), list(init_fields), prefix)}", _join(prefix, str(key)))
+                              f"{_suggest(str(key), cls, prefix)}", _join(prefix, str(key)))
     kwargs = {}
     for name, f in init_fields.items():
         key = _join(prefix, name)

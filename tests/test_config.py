@@ -84,6 +84,14 @@ def test_unknown_key_in_yaml_names_file_and_key(tmp_path):
         load_config(path)
 
 
+def test_yaml_syntax_error_names_file_line_and_column(tmp_path):
+    path = tmp_path / "broken.yaml"
+    path.write_text("seed: 1\noptim: {lr: 3\ntrain:\n  steps: 2\n")  # an unclosed flow mapping
+    with pytest.raises(ConfigError, match=r"broken\.yaml:3: not valid YAML \(expected ',' or '\}', but got ':', "
+                                          r"column 6\)$"):
+        load_config(path)
+
+
 def test_override_into_a_scalar_is_an_error():
     with pytest.raises(ConfigError, match="'recipe' is set to a value"):
         load_config(None, CPT + ["recipe=bf16", "recipe.x=1"])

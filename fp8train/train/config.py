@@ -269,6 +269,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | dict | No
         try:
             raw = yaml.safe_load(text) or {}
         except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            if mark is not None:  # file:line, then what PyYAML found there
+                problem = " ".join(f"{getattr(e, 'problem', None) or e}".split())
+                raise ConfigError(f"{path}:{mark.line + 1}: not valid YAML ({problem}, column {mark.column + 1})") \
+                    from None
             raise ConfigError(f"{path}: not valid YAML: {' '.join(str(e).split())}") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: a config must be a mapping at the top level")

@@ -321,7 +321,7 @@ def _run_side_by_side(arms: list[_Arm], threads: int) -> list[dict]:
             process.join()
 
 
-def _arm_process(arm: _Arm, threads: int, prefix: str, send) -> None:
+def _arm_process(arm: _Arm, threads: int, prefix: str, send: "multiprocessing.connection.Connection") -> None:
     """An arm's process: `_run_arm`, then (True, its result) or (False, the exception) to the parent."""
     try:
         message = (True, _run_arm(arm, threads, prefix))

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["device_clock", "flops_per_token", "peak_tflops", "MetricsLogger", "Throughput", "read_jsonl", "health_summary",
-           "health_scalars", "peak_memory_gib", "REPORT_TO", "resolve_report_to"]
+__all__ = ["device_clock", "flops_per_token", "peak_tflops", "MetricsLogger", "Throughput", "read_jsonl",
+           "health_summary", "health_scalars", "peak_memory_gib", "REPORT_TO", "resolve_report_to"]
 
 # Dense datasheet peaks in TFLOP/s per GPU: (BF16, FP8). None = no FP8 tensor cores.
 _PEAK_TFLOPS = {"H100": (989.0, 1979.0), "H200": (989.0, 1979.0), "H800": (989.0, 1979.0),

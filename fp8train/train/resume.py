@@ -9,9 +9,9 @@ Before anything is built or written, the resolved config is compared with the ru
 shapes the trajectory - model, tokenizer, stage, recipe and its knobs, data, optimizer and schedule,
 global batch, seed - refuses with one line listing each key with its old and new value; `resume: force`
 accepts them, as does a checkpoint path into a run_dir that holds no run yet (a branch: the checkpoint's own
-config.yaml is compared, and its changes apply). Free to change, and recorded in the log: how and where the run executes (device,
-micro-batch, compile, activation checkpointing, the distributed section, the token cache), how often
-it logs, evaluates and saves, and a longer run (`train.steps` / `train.epochs` raised).
+config.yaml is compared, and its changes apply). Free to change, and recorded in the log: how and where the
+run executes (device, micro-batch, compile, activation checkpointing, the distributed section, the token cache),
+how often it logs, evaluates and saves, and a longer run (`train.steps` / `train.epochs` raised).
 """
 
 from __future__ import annotations

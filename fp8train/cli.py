@@ -166,6 +166,12 @@ def keep_freed_memory() -> None:
     libc.mallopt(m_trim_threshold, int_max)
 
 
+def _no_hub_info(record: logging.LogRecord) -> bool:
+    """huggingface_hub's INFO lines stay out (one names the temporary folder an export is written to before its
+    rename; ours names the result). Its loggers are named by file path, hence the path."""
+    return record.levelno >= logging.WARNING or "huggingface_hub" not in record.pathname
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     # Overrides may follow options (`train CONFIG --no-progress a=1`), which argparse would split off.
@@ -180,8 +186,8 @@ def main(argv: list[str] | None = None) -> int:
 
         hf_logging.disable_progress_bar()  # a "Writing model shards" bar per checkpoint would bury ours
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    # (its INFO names the temporary folder an export is written to before the rename; ours names the result)
-    logging.getLogger("huggingface_hub").setLevel(logging.WARNING)
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(_no_hub_info)
     from .train.checkpoint import CorruptCheckpointError
     from .train.trainer import NonFiniteLossError
 

@@ -288,7 +288,7 @@ def _run_side_by_side(arms: list[_Arm], threads: int) -> list[dict]:
     first arm to fail, or whose process dies (the OOM killer, a signal), raises here at once, and the others are
     stopped rather than waited for."""
     ctx = multiprocessing.get_context("spawn")
-    running = []
+    running, finished = [], False
     try:
         for arm in arms:
             receive, send = ctx.Pipe(duplex=False)
@@ -313,9 +313,12 @@ def _run_side_by_side(arms: list[_Arm], threads: int) -> list[dict]:
                 if not ok:
                     raise value
                 results[arm.recipe] = value
+        finished = True
         return [results[arm.recipe] for arm in arms]
     finally:
         for _, process, _ in running:
+            if finished:  # an arm that has sent its result exits by itself (its own clean-up, its locks released)
+                process.join(60)
             if process.is_alive():
                 process.terminate()
             process.join()

@@ -209,12 +209,17 @@ class _Arm:
     tokenizer: str | None
 
 
+def _arm_threads(demo: DemoConfig) -> int:
+    """torch threads of each arm's process (`cpu_threads`; 0 or None: torch's default)."""
+    return demo.cpu_threads or torch.get_num_threads()
+
+
 def _side_by_side(demo: DemoConfig, device: str) -> bool:
     """Whether the two arms run at once, in two processes: on a CPU with a core for each arm's threads."""
     if not demo.parallel or device != "cpu":
         return False
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return cores >= 2 * (demo.cpu_threads or torch.get_num_threads())
+    return cores >= 2 * _arm_threads(demo)
 
 
 def _run(demo: DemoConfig, device: str) -> dict:
@@ -245,7 +250,7 @@ def _run(demo: DemoConfig, device: str) -> dict:
                             batch_size=len(held_out), out=str(out / f"eval_{_run_name(recipe)}")), demo.tokenizer)
             for recipe in ("hybrid", "bf16")]
     if _side_by_side(demo, device):
-        threads = demo.cpu_threads or torch.get_num_threads()
+        threads = _arm_threads(demo)
         print(f"CPT, SFT and evaluation of FP8 (hybrid) and BF16 run side by side, in two processes of {threads} "
               f"thread(s) each (each computes what it computes alone; --sequential runs them one after the other)")
         done = _run_side_by_side(arms, threads)

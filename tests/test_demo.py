@@ -72,23 +72,24 @@ def test_demo_flow_end_to_end_scaled_down(tmp_path, monkeypatch, byte_tokenizer,
         assert timeless == {k: again[recipe][k] for k in timeless}, recipe
 
 
+def _long_arm(tmp_path, byte_tokenizer, recipe, files=None):
+    """An arm of 400 CPT steps (minutes), or one that fails at once where `files` do not exist."""
+    from fp8train.eval import EvalConfig
+
+    config = DemoConfig(out_dir=str(tmp_path), steps=400, tokenizer=str(byte_tokenizer))
+    cpt = _demo_config(config, "cpu", recipe, files or stdlib_sources(300_000), tmp_path)
+    cpt.data.max_tokens = None
+    return demo._Arm(recipe, cpt, demo._sft_config(config, "cpu", recipe, tmp_path / "none.jsonl", tmp_path),
+                     EvalConfig(model="", data="", out=str(tmp_path / f"eval_{recipe}")), str(byte_tokenizer))
+
+
 def test_an_arm_that_fails_stops_the_other_and_raises_its_error(tmp_path, byte_tokenizer):
     """Side by side, the first arm to fail raises its own error at once, and the other arm is stopped rather than
     waited for (it would have run 400 steps)."""
-    from fp8train.eval import EvalConfig
-
-    files = stdlib_sources(300_000)
-    config = DemoConfig(out_dir=str(tmp_path), steps=400, tokenizer=str(byte_tokenizer))
-
-    def arm(recipe, cpt):
-        return demo._Arm(recipe, cpt, demo._sft_config(config, "cpu", recipe, tmp_path / "none.jsonl", tmp_path),
-                         EvalConfig(model="", data="", out=str(tmp_path / f"eval_{recipe}")), str(byte_tokenizer))
-
-    long = _demo_config(config, "cpu", "bf16", files, tmp_path)
-    long.data.max_tokens = None
-    broken = _demo_config(config, "cpu", "hybrid", [tmp_path / "missing.py"], tmp_path)
+    long = _long_arm(tmp_path, byte_tokenizer, "bf16")
+    broken = _long_arm(tmp_path, byte_tokenizer, "hybrid", [tmp_path / "missing.py"])
     with pytest.raises(FileNotFoundError, match="missing.py"):
-        demo._run_side_by_side([arm("bf16", long), arm("hybrid", broken)], threads=1)
+        demo._run_side_by_side([long, broken], threads=1)
     assert not list((tmp_path / "bf16").glob("checkpoints/*")) and not (tmp_path / "sft_bf16").exists()
 
 
@@ -101,16 +102,7 @@ def test_an_arm_whose_process_dies_raises_instead_of_hanging(tmp_path, byte_toke
     import threading
     import time
 
-    from fp8train.eval import EvalConfig
-
-    files = stdlib_sources(300_000)
-    config = DemoConfig(out_dir=str(tmp_path), steps=400, tokenizer=str(byte_tokenizer))
-    arms = []
-    for recipe in ("hybrid", "bf16"):
-        cpt = _demo_config(config, "cpu", recipe, files, tmp_path)
-        cpt.data.max_tokens = None
-        arms.append(demo._Arm(recipe, cpt, demo._sft_config(config, "cpu", recipe, tmp_path / "none.jsonl", tmp_path),
-                              EvalConfig(model="", data="", out=str(tmp_path / f"eval_{recipe}")), str(byte_tokenizer)))
+    arms = [_long_arm(tmp_path, byte_tokenizer, recipe) for recipe in ("hybrid", "bf16")]
     outcome = []
 
     def side_by_side():

@@ -244,7 +244,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
         raise ValueError(f"hidden states hold {x.shape[0]} tokens but labels {targets.shape[0]}")
     divisor = num_items_in_batch
     if divisor is None:
-        divisor = count_targets(labels).to(x.device)
+        divisor = (targets != IGNORE_INDEX).sum()  # (`_has_target` of the labels, already shifted above)
     elif torch.is_tensor(divisor):
         divisor = divisor.to(x.device)
     if rows is not None:  # (index_select's backward scatters the rows' gradient into zeros)

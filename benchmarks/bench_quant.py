@@ -60,13 +60,13 @@ def _strip_kernel(x_ptr, M, K, stride_xm, qr_ptr, sr_ptr, Kp, qc_ptr, sc_ptr, Mp
         offs_k = pid_k * BLOCK + tl.arange(0, BLOCK)
         in_k = offs_k < K
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=in_m[:, None] & in_k[None, :], other=0.0)
-        ax = tq._abs_bits(x, True)
-        s_r = tq._scale_from_amax_bits(tq._amax_bits(ax, 1, True), FMT_MAX, True)
-        s_c = tq._scale_from_amax_bits(tq._amax_bits(ax, 0, True), FMT_MAX, True)
-        q_r = tq._quant(x, tq._inverse(s_r, True)[:, None]).to(DTYPE)
+        ax = tq.abs_bits(x, True)
+        s_r = tq.scale_from_amax_bits(tq.amax_bits(ax, 1, True), FMT_MAX, True)
+        s_c = tq.scale_from_amax_bits(tq.amax_bits(ax, 0, True), FMT_MAX, True)
+        q_r = tq.scaled(x, tq.inverse(s_r, True)[:, None]).to(DTYPE)
         tl.store(qr_ptr + offs_m[:, None] * Kp + offs_k[None, :], q_r, mask=in_m[:, None] & (offs_k < Kp)[None, :])
         tl.store(sr_ptr + pid_k * M + offs_m, s_r, mask=in_m & (pid_k * BLOCK < Kp))
-        q_c = tq._quant(x, tq._inverse(s_c, True)[None, :]).to(DTYPE)
+        q_c = tq.scaled(x, tq.inverse(s_c, True)[None, :]).to(DTYPE)
         tl.store(qc_ptr + offs_k[:, None] * Mp + offs_m[None, :], tl.trans(q_c),
                  mask=in_k[:, None] & (offs_m < Mp)[None, :])
         tl.store(sc_ptr + pid_m * K + offs_k, s_c, mask=in_k & (pid_m * BLOCK < Mp))
@@ -111,16 +111,16 @@ def _layout_kernel(x_ptr, M, K, stride_xm, qr_ptr, sr_ptr, Kp, qc_ptr, sc_ptr, M
         x = tl.load(x_ptrs, mask=x_mask, other=0.0, eviction_policy="evict_first")
     else:
         x = tl.load(x_ptrs, mask=x_mask, other=0.0)
-    ax = tq._abs_bits(x, True)
-    s_r = tq._scale_from_amax_bits(tq._amax_bits(ax, 1, True), FMT_MAX, True)
-    s_c = tq._scale_from_amax_bits(tq._amax_bits(ax, 0, True), FMT_MAX, True)
-    q_r = tq._quant(x, tq._inverse(s_r, True)[:, None]).to(qr_ptr.dtype.element_ty)
+    ax = tq.abs_bits(x, True)
+    s_r = tq.scale_from_amax_bits(tq.amax_bits(ax, 1, True), FMT_MAX, True)
+    s_c = tq.scale_from_amax_bits(tq.amax_bits(ax, 0, True), FMT_MAX, True)
+    q_r = tq.scaled(x, tq.inverse(s_r, True)[:, None]).to(qr_ptr.dtype.element_ty)
     if STREAM:
         tl.store(qr_ptr + offs_m[:, None] * Kp + offs_k[None, :], q_r, mask=r_mask, cache_modifier=".cs")
     else:
         tl.store(qr_ptr + offs_m[:, None] * Kp + offs_k[None, :], q_r, mask=r_mask)
     tl.store(sr_ptr + pid_k * M + offs_m, s_r, mask=sr_mask)
-    q_t = tl.trans(tq._quant(x, tq._inverse(s_c, True)[None, :]).to(qc_ptr.dtype.element_ty))
+    q_t = tl.trans(tq.scaled(x, tq.inverse(s_c, True)[None, :]).to(qc_ptr.dtype.element_ty))
     if STREAM:
         tl.store(qc_ptr + offs_k[:, None] * Mp + offs_m[None, :], q_t, mask=c_mask, cache_modifier=".cs")
     else:

@@ -14,7 +14,8 @@ A variant may carry recipe modifiers, for A/B runs in one process: `hybrid+wgrad
 (`deep_gemm`: output and grad_input on DeepGEMM's kernel), `hybrid+exact` (`pow2_scale: false`),
 `hybrid+unfused` (`fuse_swiglu: false`: three FP8 Linears per MLP instead of the SwiGLU fused into its FP8
 producers, hybrid's default; `+fused` turns it on for the other recipes), `hybrid+t_bwd` (`input_t_in_backward`:
-grad_weight's input.T made in the backward instead of saved).
+grad_weight's input.T made in the backward instead of saved); `+held` is the trainer's `hold_fp8_weights` (each
+weight's FP8 copy written by the optimizer's step, no weight quantized in a step).
 `compiled` applies torch.compile to each decoder layer, for every variant alike (the trainer's
 `train.compile`); `cudagraphs` also replays each layer as CUDA graphs (`train.cuda_graphs`). Steps run as the
 trainer's loop runs them, each enqueued before the last is read (`Trainer.enqueue_step`); a step's time is from
@@ -54,7 +55,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .fp8.recipe import MODIFIERS, parse_recipe
+from .fp8.recipe import MODIFIERS, Fp8Recipe, parse_recipe
 
 __all__ = ["BenchCase", "run_case", "parse_variant", "categorize_profile", "kernel_launches", "profile_table",
            "top_kernel_times", "top_kernels_table", "write_trace", "memory_breakdown", "markdown_table", "main"]
@@ -269,15 +270,18 @@ def _seconds(a, b) -> float:
     return b - a if isinstance(a, float) else a.elapsed_time(b) / 1e3
 
 
-def parse_variant(name: str):
-    """(base variant, Fp8Recipe or None) of a variant name with recipe modifiers (`hybrid+wgrad_from_fp8`:
-    `fp8train.parse_recipe`'s spelling; None: the trainer builds the base's recipe itself)."""
+def parse_variant(name: str) -> tuple[str, Fp8Recipe | None, bool]:
+    """(base variant, Fp8Recipe or None, held) of a variant name with recipe modifiers (`hybrid+wgrad_from_fp8`:
+    `fp8train.parse_recipe`'s spelling; None: the trainer builds the base's recipe itself) and `+held` (the
+    trainer's `hold_fp8_weights`)."""
     base, *mods = name.split("+")
-    if base not in VARIANTS or (mods and (base.startswith("torchao-") or base == "bf16")) \
+    held = "held" in mods
+    mods = [m for m in mods if m != "held"]
+    if base not in VARIANTS or ((mods or held) and (base.startswith("torchao-") or base == "bf16")) \
             or any(m not in MODIFIERS for m in mods):
         raise ValueError(f"unknown variant {name!r}: one of {list(VARIANTS)}, fp8train's recipes optionally with "
-                         f"{['+' + m for m in MODIFIERS]}")
-    return base, parse_recipe(name) if mods else None
+                         f"{['+' + m for m in (*MODIFIERS, 'held')]}")
+    return base, parse_recipe("+".join([base, *mods])) if mods else None, held
 
 
 def run_case(case: BenchCase, *, steps: int = 5, warmup: int = 2, device: str = "cuda", profile: bool = False,
@@ -295,7 +299,7 @@ def run_case(case: BenchCase, *, steps: int = 5, warmup: int = 2, device: str = 
 
     import torch._dynamo
 
-    base, custom = parse_variant(case.variant)
+    base, custom, held = parse_variant(case.variant)
     torch._dynamo.reset()  # every case compiles afresh: no recompile limit, no shapes made dynamic by earlier cases
     vocab = case.vocab or (None if PRESETS[case.model]["vocab_size"] else 151936)
     mcfg = ModelConfig(source=case.model, num_layers=case.layers, vocab_size=vocab, lora=LoraConfig(rank=case.lora))
@@ -317,7 +321,7 @@ def run_case(case: BenchCase, *, steps: int = 5, warmup: int = 2, device: str = 
              "labels": ids.masked_fill(prompt, -100), "position_ids": positions} for _ in range(steps + warmup)]
     cfg = TrainConfig(stage="cpt", data=CptDataConfig(paths=["(synthetic)"], seq_len=seq),
                       run_dir=tempfile.mkdtemp(prefix=f"fp8train-bench-{case.variant}-"), resume="none",
-                      device=device, recipe=recipe, model=mcfg,
+                      device=device, recipe=recipe, model=mcfg, hold_fp8_weights=held,
                       optim=OptimConfig(lr=1e-5, min_lr=1e-6, schedule="constant", impl=case.optim_impl),
                       train=LoopConfig(steps=steps + warmup, global_batch=1, micro_batch=1, compile=case.mode != "eager",
                                        cuda_graphs=case.mode == "cudagraphs", loss_impl=case.loss_impl,
@@ -325,7 +329,7 @@ def run_case(case: BenchCase, *, steps: int = 5, warmup: int = 2, device: str = 
                                        activation_checkpointing=activation_checkpointing))
     trainer = Trainer(cfg, model=model, train_data=rows, val_data=None, progress=False)
     cuda = device == "cuda"
-    with trainer.frozen_base():  # LoRA: the frozen base's FP8 weights made once, as `Trainer.fit` does
+    with trainer.fp8_weights():  # LoRA's frozen base, `hold_fp8_weights`: as `Trainer.fit` runs its steps
         res = _measure(trainer, case, model.config, fp8_layers, steps=steps, warmup=warmup, cuda=cuda,
                        profile=profile, memory=memory, top_kernels=top_kernels, trace_dir=trace_dir)
     del trainer, model, rows
@@ -517,7 +521,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--lora", type=int, default=0, metavar="RANK",
                    help="LoRA adapters of this rank on the frozen base (model.lora.rank; 0: full training)")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), metavar="VARIANT",
-                   help=f"{', '.join(VARIANTS)}; modifiers: {', '.join('+' + m for m in MODIFIERS)} (see above)")
+                   help=f"{', '.join(VARIANTS)}; modifiers: "
+                        f"{', '.join('+' + m for m in (*MODIFIERS, 'held'))} (see above)")
     p.add_argument("--modes", nargs="+", default=["compiled"], choices=MODES,
                    help="compiled: torch.compile per layer; cudagraphs: also CUDA graphs (no per-kernel launch cost)")
     p.add_argument("--steps", type=int, default=5, help="timed steps (median)")

@@ -180,7 +180,89 @@ def interpret() -> dict:
     back.step()
     if not all(torch.equal(_bits(c), _bits(p)) for c, p in zip(clones, params)):
         failures.append("a state_dict round trip changed the next step")
+    failures += _blocks_failures()
     return {"failures": failures, "worst": {**worst, "grad_norm": worst_norm}}
+
+
+def _pre_conversion(w: torch.Tensor, pow2: bool, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference's W operand of `w` [N, K] in 128x128 blocks, `cols` (>= K) columns: the FP32 values before
+    the FP8 cast (x * RN(1 / scale); zeros past K) and the row-major scales."""
+    from fp8train.fp8.quant import compute_scale, reciprocal
+    from fp8train.fp8.recipe import Fp8Format
+
+    n, k = w.shape
+    nb, kb = -(-n // 128), -(-cols // 128)
+    blocks = torch.nn.functional.pad(w, (0, kb * 128 - k, 0, nb * 128 - n)).view(nb, 128, kb, 128)
+    scale = compute_scale(blocks.abs().amax(dim=(1, 3)), Fp8Format.E4M3, pow2)
+    return (blocks * reciprocal(scale)[:, None, :, None]).reshape(nb * 128, kb * 128)[:n, :cols], scale
+
+
+def _blocks_failures() -> list:
+    """`write_fp8_blocks`: parameters with an FP8 copy are stepped a 128x128 block per program and the copy written
+    from the updated values. Two groups (decay and none) mixing them with a flat parameter; ragged rows and
+    columns, padded data columns; four steps, the clip folded in one, one skipped (found_inf: nothing written,
+    the copy included), one after the gradient norm (its tables taken over): parameters and moments equal
+    `adamw_reference`, the copies (FP32 data: the values before the FP8 cast, which the interpreter does its own
+    way) and their scales the reference quantization of the updated weights, bit for bit, with power-of-two and
+    exact scales. A copy let go is no longer written; a copy of the wrong shape or a 1-D parameter is refused."""
+    failures = []
+    g = torch.Generator().manual_seed(7)
+    for pow2 in (True, False):
+        shapes = {"flat": (77,), "ragged": (300, 200), "whole": (256, 128), "wide": (130, 384)}
+        params = {k: torch.nn.Parameter(torch.randn(v, generator=g) * torch.logspace(-3, 2, v[-1]))
+                  for k, v in shapes.items()}
+        data_cols = {"ragged": 256, "whole": 128, "wide": 384}
+        copies = {k: (torch.zeros(shapes[k][0], c), torch.zeros(-(-shapes[k][0] // 128), -(-c // 128)))
+                  for k, c in data_cols.items()}
+        opt = adamw.TritonAdamW([{"params": [params["flat"], params["ragged"], params["whole"]], "weight_decay": 0.1},
+                                 {"params": [params["wide"]], "weight_decay": 0.0}], **_HP)
+        for k, (data, scale) in copies.items():
+            opt.write_fp8_blocks(params[k], data, scale, pow2=pow2)
+        ref = {k: p.detach().clone() for k, p in params.items()}
+        moments = {k: (torch.zeros_like(p), torch.zeros_like(p)) for k, p in ref.items()}
+        counts = dict.fromkeys(params, 0)
+        for step in range(1, 5):
+            for p in params.values():
+                p.grad = torch.randn(p.shape, generator=g) * 0.1
+            skip, scale = step == 3, (torch.tensor([2.5]) if step == 2 else None)
+            if step == 4:
+                opt.grad_norm()
+            before = [t.clone() for d in copies.values() for t in d]
+            opt.grad_scale, opt.found_inf = scale, torch.ones(()) if skip else torch.zeros(())
+            opt.step()
+            del opt.grad_scale, opt.found_inf
+            if skip:
+                if not all(torch.equal(a, b) for a, b in zip(before, (t for d in copies.values() for t in d))):
+                    failures.append(f"pow2={pow2} step {step}: a skipped step wrote an FP8 copy")
+                continue
+            for k, p in params.items():
+                counts[k] += 1
+                wd = 0.0 if k == "wide" else 0.1
+                adamw.adamw_reference(ref[k], p.grad, *moments[k], adamw.step_scalars(_HP["lr"], wd, _HP["betas"],
+                                                                                    _HP["eps"], counts[k]), scale)
+                if not (torch.equal(_bits(p), _bits(ref[k])) and torch.equal(_bits(opt.state[p]["exp_avg_sq"]),
+                                                                             _bits(moments[k][1]))):
+                    failures.append(f"pow2={pow2} step {step} {k}: not the reference's step")
+                if k in copies:
+                    want, want_scale = _pre_conversion(ref[k], pow2, data_cols[k])
+                    if not (torch.equal(_bits(copies[k][0]), _bits(want)) and torch.equal(copies[k][1], want_scale)):
+                        failures.append(f"pow2={pow2} step {step} {k}: the FP8 copy is not the updated weight's")
+        opt.write_fp8_blocks(params["whole"], None, None, pow2=pow2)
+        kept = copies["whole"][0].clone()
+        params["whole"].grad = torch.randn(shapes["whole"], generator=g)
+        opt.step()
+        if not torch.equal(copies["whole"][0], kept):
+            failures.append(f"pow2={pow2}: a copy let go was written")
+    for bad, data, scale in ((torch.nn.Parameter(torch.randn(64)), torch.zeros(64, 1), torch.zeros(1, 1)),
+                             (torch.nn.Parameter(torch.randn(300, 200)), torch.zeros(300, 128), torch.zeros(3, 1)),
+                             (torch.nn.Parameter(torch.randn(300, 200)), torch.zeros(300, 256), torch.zeros(2, 2))):
+        try:
+            adamw.TritonAdamW([bad], **_HP).write_fp8_blocks(bad, data, scale, pow2=True)
+            failures.append(f"a copy {tuple(data.shape)} / {tuple(scale.shape)} of a {tuple(bad.shape)} parameter "
+                            "was taken")
+        except ValueError:
+            pass
+    return failures
 
 
 def _fsdp_rank(rank: int, world: int, port: int, out: str) -> None:
@@ -273,6 +355,15 @@ def compile_sm90() -> dict:
     norm_sig = dict(addr_ptr="*i64", chunk_ptr="*i32", out_ptr="*fp32", BLOCK="constexpr", ITERS="constexpr")
     out["grad_norm"] = resources(adamw._sum_squares_kernel, norm_sig,
                                  dict(BLOCK=adamw._LAUNCH[0], ITERS=adamw._LAUNCH[1]))
+    blocks_sig = {n: "constexpr" for n in adamw._adamw_blocks_kernel.arg_names}
+    blocks_sig.update(addr_ptr="*i64", hyper_ptr="*fp32", block_ptr="*i32", fp8_ptr="*i64", grad_scale_ptr="*fp32",
+                      found_inf_ptr="*fp32", decay="fp32", one_minus_beta1="fp32", beta2="fp32",
+                      one_minus_beta2="fp32", eps="fp32")
+    for pow2 in (True, False):
+        consts = dict(HAS_GRAD_SCALE=True, HAS_FOUND_INF=True, POW2=pow2, FP32_DATA=False, SIDE=adamw._SIDE,
+                      ROWS=adamw._SUB_ROWS)
+        out[f"fp8 blocks pow2={pow2}"] = resources(adamw._adamw_blocks_kernel, blocks_sig, consts,
+                                                   enable_fp_fusion=False)
     return out
 
 

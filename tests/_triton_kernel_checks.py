@@ -150,7 +150,7 @@ def _scales_kernel(bits_ptr, s_ptr, n, FMT_MAX: tl.constexpr, POW2: tl.constexpr
                    BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     amax_bits = tl.load(bits_ptr + offs, mask=offs < n)
-    tl.store(s_ptr + offs, tq._scale_from_amax_bits(amax_bits, FMT_MAX, POW2, DIVISION), mask=offs < n)
+    tl.store(s_ptr + offs, tq.scale_from_amax_bits(amax_bits, FMT_MAX, POW2, DIVISION), mask=offs < n)
 
 
 def _scale_failures() -> list:

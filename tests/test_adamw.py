@@ -23,7 +23,11 @@ def test_triton_adamw_equals_its_reference_and_tracks_torch():
     `adamw_reference` bit for bit; torch's AdamW within 1e-4 of the distance moved, FP64 AdamW as close as
     torch's own; a state_dict loads into torch's AdamW and back without changing the next step. `grad_norm`
     within 1e-6 of the FP64 norm; the step after it reads a gradient replaced in between and the moments of a
-    state_dict loaded in between, and a step skipped after it keeps no gradient alive."""
+    state_dict loaded in between, and a step skipped after it keeps no gradient alive. Parameters with an FP8
+    copy (`write_fp8_blocks`: stepped a 128x128 block per program, the copy written from the updated values),
+    beside flat ones in both groups, ragged and padded: the step is the reference's and the copy and its scales
+    the reference quantization of the updated weight (the values before the FP8 cast), both scale kinds; a
+    skipped step writes no copy, a copy let go is not written, a copy of the wrong shape is refused."""
     res = _check("interpret")
     assert res["failures"] == []
     assert res["worst"]["vs fp64"] <= 2 * res["worst"]["torch vs fp64"] + 1e-3
@@ -44,16 +48,16 @@ def test_triton_adamw_steps_fsdp2_shards_as_one_process_steps_the_whole():
 
 @needs_triton
 def test_triton_adamw_compiles_for_sm90_without_spills():
-    """As launched (no fused multiply-add, so that the GPU rounds each operation as the reference does), and the
-    gradient norm's kernel: no spills, and few enough registers for several programs per SM (a streaming kernel
-    needs bytes in flight)."""
+    """As launched (no fused multiply-add, so that the GPU rounds each operation as the reference does), the
+    gradient norm's kernel and the step that writes FP8 copies (both scale kinds): no spills, and few enough
+    registers for several programs per SM (a streaming kernel needs bytes in flight)."""
     res = _check("compile")
     for name, r in res.items():
         assert r["STACK"] == 0, f"{name} spills: {r}"
         assert r["REG"] <= 96, f"{name} uses {r['REG']} registers"
     # the option reaches the compiler: with fusion the multiply-adds of the update become FMAs
     assert res["grad_scale=True fp_fusion=True"]["FFMA"] > res["grad_scale=True fp_fusion=False"]["FFMA"]
-    assert "grad_norm" in res
+    assert "grad_norm" in res and "fp8 blocks pow2=True" in res and "fp8 blocks pow2=False" in res
 
 
 def test_reference_is_adamw():

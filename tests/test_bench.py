@@ -62,6 +62,10 @@ def test_variant_modifiers(capsys):
     assert parse_variant("hybrid+exact+deep_gemm")[1] == make_recipe("hybrid", pow2_scale=False, deep_gemm=True)
     assert parse_variant("tensorwise+fused")[1] == make_recipe("tensorwise", fuse_swiglu=True)
     assert parse_variant("hybrid+unfused")[1] == make_recipe("hybrid", fuse_swiglu=False) != make_recipe("hybrid")
+    assert parse_variant("hybrid+held") == ("hybrid", None, True)  # the trainer's hold_fp8_weights
+    assert parse_variant("hybrid+exact+held")[1:] == (make_recipe("hybrid", pow2_scale=False), True)
+    with pytest.raises(ValueError, match="held"):
+        parse_variant("bf16+held")
     res = {v: run_case(BenchCase("tiny-qwen2", None, 64, v, "eager", 512), steps=1, warmup=1, device="cpu")
            for v in variants}
     assert all(r["fp8_layers"] == 14 for r in res.values()), res

@@ -605,6 +605,82 @@ def test_triton_adamw_on_cuda_equals_its_reference_on_cpu():
             assert (q.detach().cpu() - want).abs().max() <= 1e-4 * step * 3e-3 * 10
 
 
+@pytest.mark.parametrize("mode", ["eager", "compiled", "cudagraphs"])
+def test_held_weights_train_as_every_step_quantizing_does_on_cuda(mode):
+    """`hold_fp8_weights`: the optimizer's step writes each weight's FP8 copy (`_adamw_blocks_kernel`, the GPU's
+    FP8 cast) and the layers read it. Three steps of a Linear and a fused Qwen2 MLP at 1.5B width (one weight's
+    rows ragged), one with the clip folded in, one skipped on the device: the outputs, input gradients, weights
+    and moments equal the every-step quantization's bit for bit, eagerly, compiled and replayed as CUDA graphs,
+    and each copy is the weight's `quantize_weight` (data and scales) after every step."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    from transformers import Qwen2Config
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2MLP
+
+    from fp8train import hold_fp8_weights
+    from fp8train.fp8 import ops
+    from fp8train.train.adamw import TritonAdamW
+
+    def build():
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(1536, 1000, bias=False), torch.nn.Linear(1000, 1536, bias=False),
+                                Qwen2MLP(Qwen2Config(hidden_size=1536, intermediate_size=8960, hidden_act="silu")))
+        convert_to_fp8(m.cuda(), "hybrid", module_filter_fn=lambda mod, fqn: True)
+        return m, TritonAdamW(m.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+
+    x = torch.randn(2, 1000, 1536, device="cuda")
+    g = torch.randn(2, 1000, 1536, device="cuda").bfloat16()
+    runs = []
+    for hold in (False, True):
+        torch._dynamo.reset()
+        counters.clear()
+        m, opt = build()
+        fn = m if mode == "eager" else torch.compile(m, mode="reduce-overhead" if mode == "cudagraphs" else None)
+        got = []
+        with hold_fp8_weights(m, opt) if hold else contextlib.nullcontext(4) as n:
+            assert n == 4
+            for step in range(3):
+                xr = x.clone().requires_grad_()
+                with torch.autocast("cuda", torch.bfloat16):
+                    y = fn(xr)
+                y.backward(g * (float("inf") if step == 1 else 1.0))  # step 1: non-finite, skipped on the device
+                opt.found_inf = (~torch.stack([p.grad.isfinite().all() for p in m.parameters()]).all()).float()
+                opt.grad_scale = torch.tensor([2.0 if step == 2 else 1.0], device="cuda")
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                got.append([y.detach().clone(), xr.grad.clone()])
+                got[-1] += [t.detach().clone() for p in m.parameters() for t in (p, opt.state[p]["exp_avg"])]
+                if hold:
+                    for lin in [mod for mod in m.modules() if isinstance(mod, FP8Linear)]:
+                        plan = lin.plan(lin.weight)
+                        want = ops.quantize_weight(lin.weight.detach(), plan.w, plan.pow2, False, plan.cublas)
+                        assert lin.held and torch.equal(_bits(lin._fp8_w), _bits(want[0])), f"step {step}"
+                        assert torch.equal(lin._fp8_w_scale, want[1])
+        assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
+        runs.append(got)
+    assert all(not lin.held for lin in m.modules() if isinstance(lin, FP8Linear))  # the context dropped them
+    for step, (a, b) in enumerate(zip(*runs)):
+        assert all(torch.equal(_bits(u), _bits(v)) for u, v in zip(a, b)), f"step {step}"
+
+
+def test_trainer_holds_fp8_weights_on_the_gpu(tmp_path, byte_tokenizer, corpus, capsys):
+    """`hold_fp8_weights: true` in the trainer (compiled, Triton AdamW): the log says that every converted layer
+    holds its copy, and the run's losses equal the every-step quantization's within 1e-3 (the attention's
+    backward may sum in another order)."""
+    from test_trainer import tiny_config
+
+    from fp8train.train.trainer import Trainer
+
+    losses = []
+    for hold in (False, True):
+        cfg = tiny_config(tmp_path / str(hold), byte_tokenizer, corpus, **{
+            "device": "cuda", "recipe": "hybrid", "train.steps": 6, "train.compile": True, "hold_fp8_weights": hold})
+        losses.append(list(Trainer(cfg, progress=False).fit().losses.values()))
+    out = capsys.readouterr().out
+    assert "hold_fp8_weights: 14 layers hold their FP8 weights, written by the optimizer" in out, out[-2000:]
+    assert max(abs(a - b) / abs(a) for a, b in zip(*losses)) < 1e-3, losses
+
+
 def test_a_step_skipped_on_the_device_writes_nothing_on_cuda():
     """`optimizer_step_on_device` with a non-finite gradient (its flag made on the GPU, never read by the host
     before the step): TritonAdamW and torch's fused AdamW leave parameters and moments as they were and count

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from fp8train import FP8Linear, dequantize, quantize
+from fp8train import FP8Linear, convert_to_fp8, dequantize, quantize
 from fp8train.fp8 import gemm as gemm_module
 from fp8train.fp8 import ops
 from fp8train.fp8.operands import LinearPlan
@@ -240,7 +240,7 @@ def test_frozen_weight_quantized_once_same_numbers(recipe, monkeypatch):
         with pytest.raises(RuntimeError, match="freeze_weight"):
             m(x)
         m.weight.requires_grad_(False)
-    assert not m.frozen and m._frozen_w is None and torch.equal(m.weight, weight)
+    assert not m.frozen and torch.equal(m.weight, weight)
     with pytest.raises(ValueError, match="requires grad"):
         FP8Linear.from_linear(torch.nn.Linear(128, 128), "hybrid").freeze_weight(True)
 
@@ -250,6 +250,79 @@ def test_frozen_weight_not_kept_where_w_t_is_no_transpose():
     _, m, x, g = _setup("rowwise")
     m.weight.requires_grad_(False)
     assert m.freeze_weight(True) is False and not m.frozen
+
+
+@pytest.mark.parametrize("pow2", [True, False])
+def test_held_weight_is_the_copy_the_optimizer_writes(pow2, monkeypatch):
+    """A weight that trains, held in FP8 (`hold_weight`): y, dx and dW equal quantizing it every forward and
+    backward bit for bit (eagerly and compiled), and no step quantizes W or W.T. The layer reads the copy and
+    nothing else: a weight changed behind it still computes with the old copy, and with the new one once the
+    copy is rewritten in place (what the optimizer's step does). Released, it quantizes the weight again."""
+    from dataclasses import replace
+
+    _, m, x, g = _setup(replace(make_recipe("hybrid"), pow2_scale=pow2), outliers=True)
+    ref = _run(m, x, g)
+    calls = []
+    real = ops.quantize_weight
+    monkeypatch.setattr(ops, "quantize_weight", lambda *a: calls.append(a[3]) or real(*a))
+    data, scale = m.hold_weight(True)
+    assert m.held and not m.frozen and "held in FP8" in repr(m) and m.hold_weight(True)[0] is data
+    assert data.dtype == torch.float8_e4m3fn and data.shape == (256, 384) and scale.shape == (2, 3)
+    for fn in (m, torch.compile(m, backend="aot_eager")):
+        m.weight.grad = None
+        got = _run(fn, x, g)
+        assert all(torch.equal(a, b) for a, b in zip(got, ref))
+    assert calls == [False], "W quantized once, when held; W.T never"
+    with torch.no_grad():
+        m.weight.mul_(-2.0)
+    assert torch.equal(_run(m, x, g)[0], ref[0])  # the copy, not the weight
+    plan = m.plan(m.weight)
+    new = real(m.weight.detach(), plan.w, plan.pow2, False, plan.cublas)
+    data.copy_(new[0])
+    scale.copy_(new[1])
+    m.hold_weight(False)
+    assert not m.held and m.hold_weight(False) is None
+    want = _run(m, x, g)
+    m.hold_weight(True)
+    assert torch.equal(_run(m, x, g)[0], want[0]) and not torch.equal(want[0], ref[0])
+
+
+def test_weight_not_held_where_the_optimizer_cannot_write_it():
+    """Held copies are 128x128 blocks of a weight that trains: a frozen weight (`freeze_weight` keeps those),
+    tensor-wise and row-wise scales are not held (None), and the layer goes on quantizing its weight."""
+    for recipe in ("tensorwise", "rowwise"):
+        assert _setup(recipe)[1].hold_weight(True) is None
+    _, m, _, _ = _setup("hybrid")
+    m.weight.requires_grad_(False)
+    assert m.hold_weight(True) is None and not m.held
+    assert m.freeze_weight(True) and m.hold_weight(True) is None and m.frozen
+
+
+def test_hold_fp8_weights_hands_each_copy_to_the_optimizer():
+    """`hold_fp8_weights(model, optimizer)`: every FP8Linear weight that trains hands its copy to the optimizer's
+    `write_fp8_blocks` (with its recipe's scale kind), and takes it back on exit; an optimizer that cannot write
+    copies is refused in one line."""
+    from fp8train import hold_fp8_weights
+
+    class Recorder:
+        def __init__(self):
+            self.calls = []
+
+        def write_fp8_blocks(self, param, data, scale, *, pow2):
+            self.calls.append((param, data, scale, pow2))
+
+    model = torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.Linear(256, 128), torch.nn.Linear(128, 128))
+    convert_to_fp8(model, "hybrid", module_filter_fn=lambda mod, fqn: fqn != "2")
+    model[1].weight.requires_grad_(False)
+    opt = Recorder()
+    with hold_fp8_weights(model, opt) as n:
+        assert n == 1 and model[0].held and not model[1].held
+        (param, data, scale, pow2), = opt.calls
+        assert param is model[0].weight and data.shape == (256, 128) and scale.shape == (2, 1) and pow2
+    assert not model[0].held and opt.calls[1][0] is model[0].weight and opt.calls[1][1] is None
+    with pytest.raises(TypeError, match="cannot write FP8 weights"):
+        with hold_fp8_weights(model, torch.optim.AdamW(model.parameters())):
+            pass
 
 
 def test_bad_inputs():

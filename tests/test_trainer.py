@@ -464,6 +464,33 @@ def test_deep_gemm_config_key(tmp_path, byte_tokenizer, corpus, monkeypatch):
     assert gemm.load_deep_gemm is not missing  # the module's own function untouched
 
 
+def test_hold_fp8_weights_config_key(tmp_path, byte_tokenizer, corpus, capsys):
+    """`hold_fp8_weights: true`: the steps' context (`Trainer.fp8_weights`) has the optimizer write every converted
+    layer's FP8 weight, and gives the copies back after; where the optimizer cannot (torch's AdamW: the CPU's),
+    one line of the log says so and every layer quantizes its weight as before."""
+    from fp8train import FP8Linear
+
+    trainer = Trainer(tiny_config(tmp_path, byte_tokenizer, corpus, hold_fp8_weights="true"), progress=False)
+    fp8 = [m for m in trainer.model.modules() if isinstance(m, FP8Linear)]
+    with trainer.fp8_weights():
+        assert not any(m.held for m in fp8)
+    assert "hold_fp8_weights: off (needs fp8train's Triton AdamW on CUDA; optim.impl is auto on cpu)" in \
+        capsys.readouterr().out
+
+    class Writer:  # stands in for TritonAdamW, which needs Triton and CUDA
+        def __init__(self):
+            self.copies = {}
+
+        def write_fp8_blocks(self, param, data, scale, *, pow2):
+            self.copies[param] = data
+
+    trainer.optimizer = writer = Writer()
+    with trainer.fp8_weights():
+        assert all(m.held for m in fp8) and len([d for d in writer.copies.values() if d is not None]) == 14
+    assert "hold_fp8_weights: 14 layers hold their FP8 weights, written by the optimizer" in capsys.readouterr().out
+    assert not any(m.held for m in fp8) and all(d is None for d in writer.copies.values())
+
+
 def test_logged_throughput_times_each_step_and_not_its_neighbours(tmp_path, byte_tokenizer, corpus, monkeypatch):
     """Steps overlap (step N is logged after step N + 1 is enqueued), and a step that evaluates or saves is finished
     at once: each step's tokens/s is still its own, timed from the end of the step before it (or of an evaluation

@@ -23,7 +23,7 @@ from .recipe import Fp8Recipe, make_recipe
 from .swiglu import FP8SwiGLUMLP, swiglu_mlp_applies
 
 __all__ = ["ConversionReport", "convert_to_fp8", "compile_options", "cache_fp8_weights", "freeze_fp8_weights",
-           "DECODER_PROJECTIONS"]
+           "hold_fp8_weights", "DECODER_PROJECTIONS"]
 
 DECODER_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _ALREADY = "already FP8Linear"
@@ -172,3 +172,28 @@ def freeze_fp8_weights(model: nn.Module, *, offload: bool = False) -> Iterator[i
     finally:
         for m in frozen:
             m.freeze_weight(False)
+
+
+@contextlib.contextmanager
+def hold_fp8_weights(model: nn.Module, optimizer) -> Iterator[int]:
+    """Keep each trained FP8Linear weight's FP8 operand (128x128 blocks) between steps, written by `optimizer`
+    (a `TritonAdamW`) as its step updates the weight: no forward or backward quantizes a weight, for 1 byte
+    per parameter held. Yields how many layers hold one; on exit the copies go.
+
+    Inside it, only that optimizer's `step` may change the weights (a load into them: exit first). The
+    optimizer must step each held weight as a whole tensor (not under FSDP: its layers hold none)."""
+    if not callable(getattr(optimizer, "write_fp8_blocks", None)):
+        raise TypeError(f"hold_fp8_weights: {type(optimizer).__name__} cannot write FP8 weights; "
+                        "fp8train.train.adamw.TritonAdamW can")
+    held = []
+    try:
+        for m in model.modules():
+            copy = m.hold_weight(True) if isinstance(m, FP8Linear) else None
+            if copy is not None:
+                held.append(m)
+                optimizer.write_fp8_blocks(m.weight, *copy, pow2=m.recipe.pow2_scale)
+        yield len(held)
+    finally:
+        for m in held:
+            optimizer.write_fp8_blocks(m.weight, None, None, pow2=m.recipe.pow2_scale)
+            m.hold_weight(False)

@@ -19,14 +19,14 @@ Why the kernels are cheap per element (they must stream at memory speed, ~4 TB/s
 - amax and "holds a NaN" come from one integer max over the bit patterns of |x|: those order like the
   magnitudes, and every NaN pattern lies above +Inf's;
 - a power-of-two scale comes from amax's bit patterns too (exponent and a mantissa comparison), not from
-  the IEEE division amax / fmt.max that it equals (`_scale_from_amax_bits`);
+  the IEEE division amax / fmt.max that it equals (`scale_from_amax_bits`);
 - quantizing multiplies by the block's reciprocal, made once per block on the scales, rather than
   dividing each element (an IEEE division is a multi-instruction sequence on the GPU: too slow per
   element). With power-of-two scales (the default) the reciprocal is the exact 2^-e (exponent
   arithmetic), so x * 2^-e is exactly x / 2^e, and |x * 2^-e| <= fmt.max needs no clamp (the scale is at
   least amax / fmt.max: a quotient that rounds down onto a power of two is not an FP32 amax / 448 or
   / 57344). Exact FP32 scales multiply by the correctly rounded reciprocal RN(1 / s) (one `div_rn` per
-  block), as the reference does (`quant.reciprocal`; its clamp changes nothing, see `_quant`):
+  block), as the reference does (`quant.reciprocal`; its clamp changes nothing, see `scaled`):
   x * RN(1 / s) differs from RN(x / s) only where the two straddle an FP8 rounding boundary, which is rare,
   and CPU and GPU stay bit-identical because both make the same IEEE multiply;
 - a BF16 tile stays BF16 in registers (amax on its 16-bit patterns) and is widened only for the multiply:
@@ -46,6 +46,10 @@ import triton.language as tl
 from .quant import FP32_TINY, round_up
 from .recipe import Fp8Format
 
+__all__ = ["abs_bits", "amax_bits", "inverse", "ops_layout", "quantize_blocks", "quantize_blocks_op", "quantize_swiglu",
+           "quantize_swiglu_grads", "quantize_swiglu_grads_op", "quantize_swiglu_op", "quantize_tiles_and_transpose",
+           "quantize_tiles_op", "scale_from_amax_bits", "scaled"]
+
 _SIDE = 128  # elements along each side of a scaling tile or block
 _NUM_WARPS = 8
 _FP32_TINY = tl.constexpr(FP32_TINY)
@@ -53,7 +57,7 @@ _INF_BITS = tl.constexpr(0x7F800000)
 
 
 @triton.jit
-def _abs_bits(x, BF16: tl.constexpr):
+def abs_bits(x, BF16: tl.constexpr):
     """|x| as integer bit patterns, in x's own width (a BF16 tile stays 16-bit: half the registers)."""
     if BF16:
         bits = (x.to(tl.int16, bitcast=True) & 0x7FFF).to(tl.int16)
@@ -63,8 +67,8 @@ def _abs_bits(x, BF16: tl.constexpr):
 
 
 @triton.jit
-def _amax_bits(ax, axis: tl.constexpr, BF16: tl.constexpr):
-    """Max of `_abs_bits` along `axis`, as FP32 bit patterns (BF16 -> FP32 is a 16-bit shift, exact)."""
+def amax_bits(ax, axis: tl.constexpr, BF16: tl.constexpr):
+    """Max of `abs_bits` along `axis`, as FP32 bit patterns (BF16 -> FP32 is a 16-bit shift, exact)."""
     m = tl.max(ax, axis=axis).to(tl.int32)  # (a reduction may widen int16 itself)
     if BF16:
         m = m << 16
@@ -72,7 +76,7 @@ def _amax_bits(ax, axis: tl.constexpr, BF16: tl.constexpr):
 
 
 @triton.jit
-def _scale_from_amax_bits(amax_bits, FMT_MAX: tl.constexpr, POW2: tl.constexpr, DIVISION: tl.constexpr = False):
+def scale_from_amax_bits(amax_bits, FMT_MAX: tl.constexpr, POW2: tl.constexpr, DIVISION: tl.constexpr = False):
     """amax as |x| bit patterns -> FP32 dequantize scale, as `quant.compute_scale` (NaN for a NaN block).
 
     A power-of-two scale comes from the bit patterns alone: with amax = ma * 2^ea and fmt.max = mf * 2^ef
@@ -102,8 +106,8 @@ def _scale_from_amax_bits(amax_bits, FMT_MAX: tl.constexpr, POW2: tl.constexpr, 
 
 
 @triton.jit
-def _inverse(s, POW2: tl.constexpr):
-    """Per-block multiplier for `_quant`, made on the 1-D scales: 2^-e for a power-of-two scale 2^e
+def inverse(s, POW2: tl.constexpr):
+    """Per-block multiplier for `scaled`, made on the 1-D scales: 2^-e for a power-of-two scale 2^e
     (exponent arithmetic, exact: e stays within [-126, 127]), 0 for Inf, NaN for NaN; for exact scales the
     correctly rounded RN(1 / s), as `quant.reciprocal` (IEEE division: 1/Inf = 0, 1/NaN = NaN)."""
     if POW2:
@@ -115,8 +119,8 @@ def _inverse(s, POW2: tl.constexpr):
 
 
 @triton.jit
-def _quant(x, inv):
-    """x * inv (`_inverse` of the scale) in FP32: the value the store converts to the output's dtype. Inf
+def scaled(x, inv):
+    """x * inv (`inverse` of the scale) in FP32: the value the store converts to the output's dtype. Inf
     scale -> inv 0 (finite elements -> 0, Inf/NaN elements -> NaN), NaN -> NaN. No clamp: with a power-of-two
     scale x * 2^-e is exactly x / 2^e, within +-fmt.max; with an exact one s = RN(amax / fmt.max) (at least
     FP32_TINY, so RN(1 / s) is finite) puts |x * RN(1 / s)| within fmt.max * (1 + 2^-22), which the store's
@@ -191,14 +195,14 @@ def _act_kernel(
     if not BF16:
         x = x.to(tl.float32)
     # both amaxes first, so that the |x| bit patterns die before the quantized copies are made
-    ax = _abs_bits(x, BF16)
+    ax = abs_bits(x, BF16)
     if ROWS:
-        amax_r = _amax_bits(ax, 1, BF16)  # one per (token, 128 features)
+        amax_r = amax_bits(ax, 1, BF16)  # one per (token, 128 features)
     if COLS:
-        amax_c = _amax_bits(ax, 0, BF16)  # one per (feature, 128 tokens)
+        amax_c = amax_bits(ax, 0, BF16)  # one per (feature, 128 tokens)
     if ROWS:
-        s_r = _scale_from_amax_bits(amax_r, ROW_MAX, POW2)
-        q_r = _quant(x, _inverse(s_r, POW2)[:, None])
+        s_r = scale_from_amax_bits(amax_r, ROW_MAX, POW2)
+        q_r = scaled(x, inverse(s_r, POW2)[:, None])
         tl.store(qr_ptr + offs_m[:, None] * Kp + offs_k[None, :], q_r.to(qr_ptr.dtype.element_ty),
                  mask=in_m[:, None] & (offs_k < Kp)[None, :])
         tl.store(sr_ptr + pid_k * M + offs_m, s_r, mask=in_m & (pid_k * BLOCK < Kp))
@@ -206,8 +210,8 @@ def _act_kernel(
     if COLS:  # the cols copy is stored transposed, [K, Mp]
         # dg's cols scales divide, as the reference does (the same numbers): with the division's slow-path call
         # in the code ptxas keeps that launch within 128 registers, without it takes 151 (one program per SM)
-        s_c = _scale_from_amax_bits(amax_c, COL_MAX, POW2, PRODUCER == 2)
-        q_c = _quant(x, _inverse(s_c, POW2)[None, :]).to(qc_ptr.dtype.element_ty)
+        s_c = scale_from_amax_bits(amax_c, COL_MAX, POW2, PRODUCER == 2)
+        q_c = scaled(x, inverse(s_c, POW2)[None, :]).to(qc_ptr.dtype.element_ty)
         tl.store(qc_ptr + offs_k[:, None] * Mp + offs_m[None, :], tl.trans(q_c),
                  mask=in_k[:, None] & (offs_m < Mp)[None, :])
         tl.store(sc_ptr + pid_m * K + offs_k, s_c, mask=in_k & (pid_m * BLOCK < Mp))
@@ -231,8 +235,8 @@ def _weight_kernel(
                 mask=in_n[:, None] & in_k[None, :], other=0.0)
     if not BF16:
         w = w.to(tl.float32)
-    s = _scale_from_amax_bits(tl.max(_amax_bits(_abs_bits(w, BF16), 1, BF16), axis=0), FMT_MAX, POW2)
-    q = _quant(w, _inverse(s, POW2))  # the block's reciprocal, as the activation kernel and the reference
+    s = scale_from_amax_bits(tl.max(amax_bits(abs_bits(w, BF16), 1, BF16), axis=0), FMT_MAX, POW2)
+    q = scaled(w, inverse(s, POW2))  # the block's reciprocal, as the activation kernel and the reference
     q = q.to(q_ptr.dtype.element_ty)
     if TRANSPOSE:  # block (n, k) of W is block (k, n) of W.T: same data transposed, same scale
         tl.store(q_ptr + offs_k[:, None] * ld_q + offs_n[None, :], tl.trans(q),

@@ -8,6 +8,8 @@ compute). This module owns a layer's state, changed only through its methods:
     weight cache    `cache_weight(True)`: W quantized once for the micro-batches of one optimizer step
     frozen weight   `freeze_weight(True)`: a frozen W (LoRA's base) quantized once for good, W itself
                     optionally moved to host memory
+    held weight     `hold_weight(True)`: a W that trains, its FP8 operand kept between steps and rewritten
+                    by the optimizer's step as it updates W (`TritonAdamW.write_fp8_blocks`)
     health          `track_health(True)`: underflow / saturation / scale range of its operands
     FSDP            `prepare_fsdp(...)`: FSDP2 refills the weight every step; optionally gathers it in FP8
 
@@ -114,11 +116,13 @@ class FP8Linear(nn.Linear):
         self._weight_refilled = False  # FSDP2 refills the gathered weight in place: never cache it
         self._fp8_all_gather = False   # FSDP2 all-gathers the weight in FP8 blocks (fsdp.py)
         self._health_sink: Tensor | None = None
-        # freeze_weight(True): W's FP8 operand for good (buffers: `.to()` moves them) and the plan it is for
-        self.register_buffer("_frozen_w", None, persistent=False)
-        self.register_buffer("_frozen_w_scale", None, persistent=False)
-        self.register_buffer("_frozen_w_health", None, persistent=False)  # its health statistics, made once
-        self._frozen_plan: str | None = None
+        # freeze_weight(True) / hold_weight(True): W's FP8 operand kept (buffers: `.to()` moves them), the plan
+        # it is for, and whether W trains (held: the optimizer rewrites the copy) or not (frozen)
+        self.register_buffer("_fp8_w", None, persistent=False)
+        self.register_buffer("_fp8_w_scale", None, persistent=False)
+        self.register_buffer("_fp8_w_health", None, persistent=False)  # a frozen W's health statistics, made once
+        self._fp8_plan: str | None = None
+        self._fp8_w_trains = False
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, recipe: str | Fp8Recipe = "hybrid",
@@ -144,9 +148,11 @@ class FP8Linear(nn.Linear):
         drops the copy and brings the weight back. Returns whether the layer is frozen: not where the
         recipe's W.T is no transpose of W (row-wise scales), nor under FSDP (it refills the weight)."""
         if not enabled:
-            if self._frozen_w is not None and self.weight.device != self._frozen_w.device:
-                self.weight = nn.Parameter(self.weight.detach().to(self._frozen_w.device), requires_grad=False)
-            self._frozen_w = self._frozen_w_scale = self._frozen_w_health = self._frozen_plan = None
+            if not self.frozen:
+                return False
+            if self.weight.device != self._fp8_w.device:
+                self.weight = nn.Parameter(self.weight.detach().to(self._fp8_w.device), requires_grad=False)
+            self._drop_fp8_weight()
             return False
         if self.weight.requires_grad:
             raise ValueError("FP8Linear.freeze_weight: the weight requires grad; only a frozen weight can be kept in "
@@ -156,18 +162,51 @@ class FP8Linear(nn.Linear):
         plan = self.plan(self.weight) if self.recipe.enabled else None
         if plan is None or self._weight_refilled or not ops.weight_transposes(plan):
             return False
-        self._frozen_w, self._frozen_w_scale = ops.quantize_weight(self.weight.detach(), plan.w, plan.pow2, False,
-                                                                   plan.cublas)
-        self._frozen_w_health = operand_health_stats(self.weight.detach(), plan.w, plan.pow2)
-        self._frozen_plan = plan.key
+        self._keep_fp8_weight(plan, trains=False)
+        self._fp8_w_health = operand_health_stats(self.weight.detach(), plan.w, plan.pow2)
         if offload and self.weight.device.type != "cpu":
             self.weight = nn.Parameter(self.weight.detach().cpu(), requires_grad=False)
         return True
 
+    def hold_weight(self, enabled: bool) -> tuple[Tensor, Tensor] | None:
+        """Keep the FP8 operand of a weight that trains between optimizer steps (True): quantized here from the
+        current weight, then used by every forward, and grad_input's W.T is its exact transpose, so no step
+        quantizes the weight. Whatever changes the weight from then on must rewrite the copy in place: the
+        optimizer's step does (`TritonAdamW.write_fp8_blocks`, set up by `fp8train.hold_fp8_weights`). Returns
+        the copy's (data, scale) (E4M3 in 128x128 blocks, row-major scales) to hand to it, or None where the layer
+        cannot hold one: a weight that does not train (`freeze_weight` keeps those), a recipe whose weight operand
+        is not in 128x128 blocks, FSDP (it refills the weight). False drops the copy."""
+        if not enabled:
+            if self.held:
+                self._drop_fp8_weight()
+            return None
+        if self.held:
+            return self._fp8_w, self._fp8_w_scale
+        plan = self.plan(self.weight) if self.recipe.enabled else None
+        if (plan is None or self.frozen or not self.weight.requires_grad or self._weight_refilled
+                or not ops.weight_transposes(plan) or plan.w.block != (128, 128) or self.weight.dim() != 2):
+            return None
+        self._keep_fp8_weight(plan, trains=True)
+        return self._fp8_w, self._fp8_w_scale
+
+    def _keep_fp8_weight(self, plan: LinearPlan, trains: bool) -> None:
+        self._fp8_w, self._fp8_w_scale = ops.quantize_weight(self.weight.detach(), plan.w, plan.pow2, False,
+                                                             plan.cublas)
+        self._fp8_plan, self._fp8_w_trains = plan.key, trains
+
+    def _drop_fp8_weight(self) -> None:
+        self._fp8_w = self._fp8_w_scale = self._fp8_w_health = self._fp8_plan = None
+        self._fp8_w_trains = False
+
     @property
     def frozen(self) -> bool:
-        """Whether the weight is kept in FP8 (`freeze_weight`)."""
-        return self._frozen_plan is not None
+        """Whether the frozen weight is kept in FP8 (`freeze_weight`)."""
+        return self._fp8_plan is not None and not self._fp8_w_trains
+
+    @property
+    def held(self) -> bool:
+        """Whether the training weight's FP8 operand is kept between steps (`hold_weight`)."""
+        return self._fp8_plan is not None and self._fp8_w_trains
 
     def track_health(self, enabled: bool) -> None:
         """Record operand health in the next forward + backward (read it with `health()`)."""
@@ -206,13 +245,14 @@ class FP8Linear(nn.Linear):
     # ---------------------------------------------------------------------------------------- forward
 
     def weight_operand(self, plan: LinearPlan) -> tuple[Tensor | None, Tensor | None]:
-        """W's operand for `plan` where one is made already: the frozen copy, FSDP's FP8 all-gather or the
-        step's cache (made here on first use); (None, None): the GEMM's op quantizes the weight itself."""
-        if self._frozen_plan is not None:
-            if self._frozen_plan != plan.key:
-                raise RuntimeError(f"FP8Linear: the weight was frozen to FP8 for plan {self._frozen_plan}, this forward "
-                                   f"runs {plan.key} (moved to another device?): freeze_weight(False), then again")
-            return self._frozen_w, self._frozen_w_scale
+        """W's operand for `plan` where one is made already: the frozen or held copy, FSDP's FP8 all-gather or
+        the step's cache (made here on first use); (None, None): the GEMM's op quantizes the weight itself."""
+        if self._fp8_plan is not None:
+            if self._fp8_plan != plan.key:
+                how = "hold_weight" if self.held else "freeze_weight"
+                raise RuntimeError(f"FP8Linear: the weight's FP8 copy was made for plan {self._fp8_plan}, this forward "
+                                   f"runs {plan.key} (moved to another device?): {how}(False), then again")
+            return self._fp8_w, self._fp8_w_scale
         weight = self.weight
         gathered = getattr(weight, "fp8_operand", None)
         if gathered is not None:  # FSDP all-gathered it already in FP8 blocks (fsdp.py): use those
@@ -271,7 +311,7 @@ class FP8Linear(nn.Linear):
                 and not plan.x_t_from_fp8)
 
     def _forward(self, x: Tensor) -> Tensor:
-        if self._frozen_plan is not None and self.weight.requires_grad:
+        if self.frozen and self.weight.requires_grad:
             raise RuntimeError("FP8Linear: the weight was frozen to FP8 (freeze_weight) and now requires grad: "
                                "freeze_weight(False) before training it")
         x2d = x.reshape(-1, x.shape[-1])
@@ -286,21 +326,21 @@ class FP8Linear(nn.Linear):
             x_saved = (None, None)
         w, w_scale = self.weight_operand(plan)
         weight = self.weight
-        if self._frozen_plan is not None:
+        if self.frozen:
             # nothing reads W again (W.T is the copy's transpose): a stand-in with its shape keeps an offloaded
             # weight out of the graph
             weight = torch.empty((), device=x.device, dtype=weight.dtype).expand(self.out_features, self.in_features)
         stats = None
         if self._health_sink is not None:
-            w_stats = (self._frozen_w_health if self._frozen_plan is not None
+            w_stats = (self._fp8_w_health if self.frozen
                        else operand_health_stats(self.weight.detach(), plan.w, plan.pow2))
             stats = torch.stack([operand_health_stats(x2d.detach(), plan.x, plan.pow2), w_stats])
         return _Fp8LinearFn.apply(x, weight, self.bias, x_rows, x_rows_scale, *x_saved, w, w_scale,
                                   self._health_sink, stats, plan, out_dtype)
 
     def extra_repr(self) -> str:
-        frozen = ", frozen in FP8" if self.frozen else ""
-        return f"{super().extra_repr()}, recipe={self.recipe.name.value}, pow2_scale={self.recipe.pow2_scale}{frozen}"
+        kept = ", frozen in FP8" if self.frozen else ", held in FP8" if self.held else ""
+        return f"{super().extra_repr()}, recipe={self.recipe.name.value}, pow2_scale={self.recipe.pow2_scale}{kept}"
 
 
 @torch.compiler.disable  # eager inside a compiled model: FSDP's FP8-gathered weights

@@ -23,6 +23,13 @@ is long done by then).
 The clip's norm comes from the same tables: `grad_norm` sums the squares of each program's chunk in one launch
 per group (torch's `get_total_norm` took 1.57x its read floor at 7B/22 on the H200), and makes the step's
 tables before the caller's host sync on the norm, so the step after it only launches.
+
+A 2-D parameter may have an FP8 copy to keep (`write_fp8_blocks`: an FP8Linear's held weight,
+`fp8train.hold_fp8_weights`). Such parameters are stepped by a second launch, one 128x128 block per program:
+it steps the block as above, takes the amax of the updated values on the way, and writes the block's E4M3 data
+and scale as `fp8train.fp8.kernels.quantize_blocks` would from the updated weight (the same helpers), re-reading
+the block it has just written from L2. So the copy costs the optimizer 1 byte per element written, and no
+forward or backward quantizes the weight from its 4 FP32 bytes again.
 """
 
 from __future__ import annotations
@@ -36,6 +43,8 @@ import torch
 try:
     import triton
     import triton.language as tl
+
+    from ..fp8.kernels import abs_bits, inverse, scale_from_amax_bits, scaled
 except ImportError:  # CPU-only installs: build_optimizer picks torch's AdamW there
     triton = None
 
@@ -46,6 +55,8 @@ __all__ = ["TritonAdamW", "adamw_reference", "read_later", "step_scalars", "trit
 # fastest of six shapes on an H100 (1.05x the copy floor) and within 1% of the fastest on an H200
 # (benchmarks/optim_step.py, docs/benchmarks.md)
 _LAUNCH = (1024, 8, 8)
+_SIDE = 128  # a weight's FP8 scaling block is _SIDE x _SIDE (`write_fp8_blocks`)
+_SUB_ROWS = 8  # rows of a block stepped at a time: 4 elements a thread a stream with 8 warps, as `_LAUNCH`
 
 
 def _f32(x: float) -> float:
@@ -129,6 +140,88 @@ if triton is not None:
 
 
     @triton.jit
+    def _adamw_blocks_kernel(addr_ptr, hyper_ptr, block_ptr, fp8_ptr, grad_scale_ptr, found_inf_ptr,
+                             decay, one_minus_beta1, beta2, one_minus_beta2, eps,
+                             HAS_GRAD_SCALE: tl.constexpr, HAS_FOUND_INF: tl.constexpr, POW2: tl.constexpr,
+                             FP32_DATA: tl.constexpr, SIDE: tl.constexpr, ROWS: tl.constexpr):
+        """Program c steps block (bn, bk) (SIDE x SIDE) of the 2-D parameter t, (t, bn, bk) = block[c], as
+        `_adamw_kernel` steps each element, then writes that block of the parameter's FP8 operand as
+        `quantize_blocks` makes it from the updated values (E4M3 data, one scale). Tensor t's row of `fp8` holds
+        the data's and the scales' addresses, the parameter's rows and columns, and the rows' lengths of the
+        data and of the scales (the data's columns past the parameter's, if any, are zeros with their blocks'
+        scale). Nothing is stored where found_inf != 0. `FP32_DATA`: the data is FP32, the values before the FP8
+        cast (the CPU checks: Triton's interpreter casts to FP8 its own way)."""
+        c = tl.program_id(0)
+        t = tl.load(block_ptr + 3 * c)
+        bn = tl.load(block_ptr + 3 * c + 1)
+        bk = tl.load(block_ptr + 3 * c + 2)
+        row = addr_ptr + 5 * t
+        p_ptr = tl.load(row).to(tl.pointer_type(tl.float32))
+        g_ptr = tl.load(row + 1).to(tl.pointer_type(tl.float32))
+        m_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
+        v_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
+        fp8 = fp8_ptr + 6 * t
+        if FP32_DATA:
+            q_ptr = tl.load(fp8).to(tl.pointer_type(tl.float32))
+        else:
+            q_ptr = tl.load(fp8).to(tl.pointer_type(tl.float8e4nv))
+        s_ptr = tl.load(fp8 + 1).to(tl.pointer_type(tl.float32))
+        n_rows = tl.load(fp8 + 2)
+        n_cols = tl.load(fp8 + 3)
+        ld_q = tl.load(fp8 + 4)
+        ld_s = tl.load(fp8 + 5)
+        step_size = tl.load(hyper_ptr + 2 * t)
+        bc2_sqrt = tl.load(hyper_ptr + 2 * t + 1)
+        if HAS_GRAD_SCALE:
+            grad_scale = tl.load(grad_scale_ptr)
+        if HAS_FOUND_INF:  # a skipped step: every load and store masked off
+            n_rows = tl.where(tl.load(found_inf_ptr) == 0, n_rows, 0)
+        # the block's first element: 64-bit offsets for it, 32-bit ones within the block
+        first = (bn * SIDE).to(tl.int64) * n_cols + bk * SIDE
+        p_ptr += first
+        g_ptr += first
+        m_ptr += first
+        v_ptr += first
+        q_ptr += (bn * SIDE).to(tl.int64) * ld_q + bk * SIDE
+        n_cols = n_cols.to(tl.int32)
+        row_end = (n_rows - bn * SIDE).to(tl.int32)  # rows of the block in the parameter (<= 0: none)
+        col_end = n_cols - bk * SIDE
+        q_end = ld_q.to(tl.int32) - bk * SIDE
+        cols = tl.arange(0, SIDE)
+        amax = tl.zeros([SIDE], dtype=tl.int32)  # per column, of |p| as FP32 bit patterns
+        for i in tl.range(SIDE // ROWS):
+            rows = i * ROWS + tl.arange(0, ROWS)
+            mask = (rows < row_end)[:, None] & (cols < col_end)[None, :]
+            offs = rows[:, None] * n_cols + cols[None, :]
+            p = tl.load(p_ptr + offs, mask=mask, other=0.0)
+            g = tl.load(g_ptr + offs, mask=mask, other=0.0)
+            m = tl.load(m_ptr + offs, mask=mask, other=0.0)
+            v = tl.load(v_ptr + offs, mask=mask, other=0.0)
+            if HAS_GRAD_SCALE:
+                g = tl.div_rn(g, grad_scale)
+            p = p * decay
+            m = m + (g - m) * one_minus_beta1
+            v = v * beta2 + (g * g) * one_minus_beta2
+            p = p - tl.div_rn(m, tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps) * step_size
+            tl.store(p_ptr + offs, p, mask=mask)
+            tl.store(m_ptr + offs, m, mask=mask)
+            tl.store(v_ptr + offs, v, mask=mask)
+            amax = tl.maximum(amax, tl.max(tl.where(mask, abs_bits(p, False), 0), axis=0))
+        s = scale_from_amax_bits(tl.max(amax, axis=0), 448.0, POW2)
+        inv = inverse(s, POW2)
+        tl.debug_barrier()  # the block's new values, stored by every thread of the program, are read back
+        for i in tl.range(SIDE // ROWS):
+            rows = i * ROWS + tl.arange(0, ROWS)
+            p = tl.load(p_ptr + rows[:, None] * n_cols + cols[None, :],
+                        mask=(rows < row_end)[:, None] & (cols < col_end)[None, :], other=0.0)
+            q = scaled(p, inv).to(q_ptr.dtype.element_ty)
+            tl.store(q_ptr + rows[:, None] * ld_q.to(tl.int32) + cols[None, :], q,
+                     mask=(rows < row_end)[:, None] & (cols < q_end)[None, :])
+        if row_end > 0:
+            tl.store(s_ptr + bn * ld_s + bk, s)
+
+
+    @triton.jit
     def _sum_squares_kernel(addr_ptr, chunk_ptr, out_ptr, BLOCK: tl.constexpr, ITERS: tl.constexpr):
         """out[c] = the sum of squares, in FP32, of program c's chunk of gradient t (the address table's second
         column; its chunks as `_adamw_kernel`'s)."""
@@ -176,11 +269,47 @@ class TritonAdamW(torch.optim.AdamW):
                     raise ValueError(f"TritonAdamW steps FP32 CUDA parameters, got {p.dtype} on {p.device}")
         self._launch = launch  # (block, iterations, warps); benchmarks/optim_step.py compares a few
         self._chunk_maps: dict[tuple, torch.Tensor] = {}
+        self._block_maps: dict[tuple, torch.Tensor] = {}
+        self._fp8: dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] = {}  # write_fp8_blocks' copies
+        self._fp8_kind: tuple[bool, torch.dtype] | None = None  # (pow2, data dtype) of every copy
         self._pending: list[_Table] | None = None  # grad_norm()'s tables, for the step() that follows
         self._unsettled: _Launched | None = None  # the last step launched with a found_inf flag
 
+    def write_fp8_blocks(self, param: torch.Tensor, data: torch.Tensor | None, scale: torch.Tensor | None, *,
+                         pow2: bool) -> None:
+        """From the next step on, each step of `param` (2-D, [N, K]) also writes its FP8 operand, in place, as
+        `fp8train.fp8.kernels.quantize_blocks` makes it from the updated values: E4M3 `data` [N, Kp] (Kp >= K;
+        columns past K zeros) and row-major FP32 `scale` [ceil(N / 128), ceil(Kp / 128)], power-of-two scales
+        with `pow2`. One launch per parameter group steps these parameters a 128x128 block per program and
+        quantizes each block as it is written (an FP8Linear's held copy: `fp8train.hold_fp8_weights`). FP32
+        `data` receives the values before the FP8 cast (checks). `data=None` stops it."""
+        self._pending = None  # the tables say which parameters have copies
+        if data is None:
+            self._fp8.pop(param, None)
+            return
+        n, k = param.shape if param.dim() == 2 else (0, 0)
+        if param.dim() != 2 or hasattr(param, "to_local") or not param.is_contiguous():
+            raise ValueError("TritonAdamW.write_fp8_blocks: the parameter must be a whole contiguous 2-D tensor (not "
+                             f"an FSDP shard), got shape {tuple(param.shape)}")
+        kp = data.shape[1] if data.dim() == 2 else 0
+        want = (-(-n // _SIDE), -(-kp // _SIDE))
+        if (data.dtype not in (torch.float8_e4m3fn, torch.float32) or data.shape[0] != n or kp < k
+                or tuple(scale.shape) != want
+                or scale.dtype != torch.float32 or not (data.is_contiguous() and scale.is_contiguous())
+                or data.device != param.device or scale.device != param.device):
+            raise ValueError(f"TritonAdamW.write_fp8_blocks: for a [{n}, {k}] parameter the copy must be contiguous "
+                             f"E4M3 data [{n}, >= {k}] and FP32 scales [{want[0]}, ceil(columns / 128)] on its device, "
+                             f"got {data.dtype} {tuple(data.shape)} and {scale.dtype} {tuple(scale.shape)}")
+        kind = (bool(pow2), data.dtype)
+        if self._fp8 and kind != self._fp8_kind:
+            raise ValueError("TritonAdamW.write_fp8_blocks: the copies of one optimizer share their scales' kind and "
+                             f"data type ({self._fp8_kind}, got {kind})")
+        self._fp8[param] = (data, scale)
+        self._fp8_kind = kind
+
     def _chunk_map(self, sizes: tuple[int, ...], device: torch.device) -> torch.Tensor:
-        """[chunks, 2] int32: (tensor, chunk within it) for each program; depends only on the sizes."""
+        """[chunks, 2] int32: (tensor, chunk within it) for each program; depends only on the sizes (a size 0:
+        no chunks, for a tensor another kernel steps)."""
         key = (sizes, device)
         if key not in self._chunk_maps:
             block, iters, _ = self._launch
@@ -190,6 +319,16 @@ class TritonAdamW(torch.optim.AdamW):
             within = torch.arange(len(tensor)) - first[tensor]
             self._chunk_maps[key] = torch.stack([tensor, within], 1).to(torch.int32).to(device)
         return self._chunk_maps[key]
+
+    def _block_map(self, grids: tuple[tuple[int, int, int], ...], device: torch.device) -> torch.Tensor:
+        """[blocks, 3] int32: (tensor, block row, block column) for each program of `_adamw_blocks_kernel`, from
+        (tensor, block rows, block columns) of each tensor with an FP8 copy."""
+        key = (grids, device)
+        if key not in self._block_maps:
+            parts = [torch.stack([torch.full((r * c,), t), torch.arange(r).repeat_interleave(c),
+                                  torch.arange(c).repeat(r)], 1) for t, r, c in grids]
+            self._block_maps[key] = torch.cat(parts).to(torch.int32).to(device)
+        return self._block_maps[key]
 
     def _tables(self) -> list["_Table"]:
         """Per group with gradients: its parameters, their gradients, the device table of (p, g, m, v) addresses
@@ -206,8 +345,8 @@ class TritonAdamW(torch.optim.AdamW):
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
                 continue
-            rows = []
-            for p in params:
+            rows, fp8_rows, grids = [], [], []
+            for i, p in enumerate(params):
                 state = self.state[p]
                 if not state:
                     state["step"] = torch.tensor(0.0)
@@ -220,10 +359,23 @@ class TritonAdamW(torch.optim.AdamW):
                     raise ValueError("TritonAdamW steps contiguous FP32 parameters, gradients and moments; got "
                                      f"{[(t.dtype, t.is_contiguous()) for t in tensors]}")
                 rows.append([t.data_ptr() for t in tensors] + [tensors[0].numel()])
+                copy = self._fp8.get(p)
+                if copy is None:
+                    fp8_rows.append([0] * 6)
+                    continue
+                (data, scale), (n, k) = copy, p.shape
+                fp8_rows.append([data.data_ptr(), scale.data_ptr(), n, k, data.shape[1], scale.shape[1]])
+                grids.append((i, *scale.shape))
             device = _local(params[0]).device
             chunks = self._chunk_map(tuple(r[4] for r in rows), device)
             addr = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
-            tables.append(_Table(group, params, [weakref.ref(p.grad) for p in params], addr, chunks))
+            flat, blocks, fp8 = chunks, None, None
+            if grids:  # the tensors with copies are stepped by blocks, the rest by chunks
+                blocked = {i for i, _, _ in grids}
+                flat = self._chunk_map(tuple(0 if i in blocked else r[4] for i, r in enumerate(rows)), device)
+                blocks = self._block_map(tuple(grids), device)
+                fp8 = torch.tensor(fp8_rows, dtype=torch.int64).to(device, non_blocking=True)
+            tables.append(_Table(group, params, [weakref.ref(p.grad) for p in params], addr, chunks, flat, blocks, fp8))
         return tables
 
     @torch.no_grad()
@@ -274,7 +426,7 @@ class TritonAdamW(torch.optim.AdamW):
         tables, self._pending = self._tables(), None
         counted = []
         for t in tables:
-            if t.chunks.numel() == 0:
+            if t.chunks.numel() == 0 and t.blocks is None:
                 continue
             steps = [self.state[p]["step"] for p in t.params]
             torch._foreach_add_(steps, 1)
@@ -289,11 +441,17 @@ class TritonAdamW(torch.optim.AdamW):
             hyper = torch.tensor(per_tensor, dtype=torch.float32).to(t.addr.device, non_blocking=True)
             scale = grad_scale.float().reshape(1) if grad_scale is not None else None  # None: compiled out
             flag = found_inf.float().reshape(1) if found_inf is not None else None
-            _adamw_kernel[(t.chunks.shape[0],)](
-                t.addr, hyper, t.chunks, scale, flag, s["decay"], s["one_minus_beta1"], s["beta2"],
-                s["one_minus_beta2"], s["eps"], HAS_GRAD_SCALE=grad_scale is not None,
-                HAS_FOUND_INF=found_inf is not None, BLOCK=self._launch[0], ITERS=self._launch[1],
-                num_warps=self._launch[2], enable_fp_fusion=False)
+            common = dict(HAS_GRAD_SCALE=grad_scale is not None, HAS_FOUND_INF=found_inf is not None,
+                          num_warps=self._launch[2], enable_fp_fusion=False)
+            scalars = (s["decay"], s["one_minus_beta1"], s["beta2"], s["one_minus_beta2"], s["eps"])
+            if t.flat.numel():
+                _adamw_kernel[(t.flat.shape[0],)](t.addr, hyper, t.flat, scale, flag, *scalars, BLOCK=self._launch[0],
+                                                  ITERS=self._launch[1], **common)
+            if t.blocks is not None:
+                _adamw_blocks_kernel[(t.blocks.shape[0],)](t.addr, hyper, t.blocks, t.fp8, scale, flag, *scalars,
+                                                           POW2=self._fp8_kind[0],
+                                                           FP32_DATA=self._fp8_kind[1] == torch.float32, SIDE=_SIDE,
+                                                           ROWS=_SUB_ROWS, **common)
         if found_inf is not None and counted:
             self._unsettled = _Launched(read_later(found_inf.reshape(())), counted)
         return None
@@ -313,7 +471,10 @@ class _Table(NamedTuple):
     params: list[torch.Tensor]
     grads: list[weakref.ref]  # the gradients the addresses are of (weak: a skipped step must not keep them)
     addr: torch.Tensor    # [tensors, 5] int64 on the device: addresses of p, g, m, v (this rank's), numel
-    chunks: torch.Tensor  # [programs, 2] int32: (tensor, chunk within it)
+    chunks: torch.Tensor  # [programs, 2] int32: (tensor, chunk within it), every tensor (the gradient norm's)
+    flat: torch.Tensor    # the chunks of the tensors without an FP8 copy (`_adamw_kernel`'s)
+    blocks: torch.Tensor | None  # [programs, 3] int32: (tensor, block row, block column) of those with one
+    fp8: torch.Tensor | None     # [tensors, 6] int64: their copies' addresses and shapes (`_adamw_blocks_kernel`)
 
 
 

@@ -128,6 +128,13 @@ class TrainConfig:
     """Run the hybrid recipe's output and grad_input GEMMs on DeepGEMM's SM90 kernel instead of cuBLAS's: the
     same numbers, 2% faster steps at Qwen2.5-7B, 5% for LoRA (docs/benchmarks.md section 0a, which says how to
     build DeepGEMM). Ignored on the CPU."""
+    hold_fp8_weights: bool = False
+    """Keep each FP8 Linear weight's FP8 copy (E4M3, 128x128 blocks) between steps, written by the optimizer's
+    step as it updates the weight (`fp8train.hold_fp8_weights`): no forward or backward quantizes a weight (the
+    backward transposes the copy), for 1 byte more per decoder parameter all run long. The same numbers. Needs
+    fp8train's Triton AdamW (`optim.impl` auto or triton on CUDA) and a recipe with 128x128 weight blocks
+    (hybrid); not under FSDP, whose ranks step shards. Where it cannot apply the log says why and the step
+    quantizes as before."""
     bf16_layers: list[int] = field(default_factory=list)
     """Decoder layers kept entirely in BF16 (indices; -1 is the last), e.g. [0, 1, -2, -1]: the first and last
     two, where the FP8 forward error concentrates on small models (docs/fidelity.md)."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,7 +24,7 @@ import yaml
 from torch import nn
 
 from ..data import GlobalBatchSampler, build_cpt_datasets, build_sft_datasets, collate, host_to_device, rank_slice
-from ..fp8.convert import cache_fp8_weights, convert_to_fp8, freeze_fp8_weights
+from ..fp8.convert import cache_fp8_weights, convert_to_fp8, freeze_fp8_weights, hold_fp8_weights
 from ..fp8.health import track_fp8_health
 from ..fp8.gemm import load_deep_gemm
 from ..fp8.recipe import make_recipe
@@ -389,7 +389,7 @@ class Trainer:
         """Train to `total_steps`, evaluating, logging and checkpointing on the way; export final/."""
         result = TrainResult(self.run_dir, self.step)
         try:
-            with self.frozen_base():
+            with self.fp8_weights():
                 self._train_loop(result)
             if not result.losses:  # resumed a finished run: nothing to train, still report and export
                 result.val_loss = self.evaluate()
@@ -401,13 +401,30 @@ class Trainer:
             self.logger.close()
         return result
 
-    def frozen_base(self) -> contextlib.AbstractContextManager:
+    @contextlib.contextmanager
+    def fp8_weights(self) -> Iterator[None]:
         """The context steps run in: with LoRA, the frozen base's FP8 weights made once, not every step (and
-        its high-precision weights in host memory while `offload_base`); else nothing."""
-        lora = self.cfg.model.lora
-        if not lora.enabled:
-            return contextlib.nullcontext()
-        return freeze_fp8_weights(self.model, offload=lora.offload_base and self.device.type == "cuda")
+        its high-precision weights in host memory while `offload_base`); with `hold_fp8_weights`, each trained
+        weight's FP8 copy, written by the optimizer's step (or a line in the log saying why not)."""
+        with contextlib.ExitStack() as stack:
+            lora = self.cfg.model.lora
+            if lora.enabled:
+                offload = lora.offload_base and self.device.type == "cuda"
+                stack.enter_context(freeze_fp8_weights(self.model, offload=offload))
+            if self.cfg.hold_fp8_weights:
+                why = self._why_not_held()
+                held = 0 if why else stack.enter_context(hold_fp8_weights(self.model, self.optimizer))
+                why = why or "no FP8 Linear trains a weight in 128x128 blocks"
+                self.logger.write(f"hold_fp8_weights: {held} layers hold their FP8 weights, written by the optimizer"
+                                  if held else f"hold_fp8_weights: off ({why})")
+            yield
+
+    def _why_not_held(self) -> str | None:
+        if not callable(getattr(self.optimizer, "write_fp8_blocks", None)):
+            return f"needs fp8train's Triton AdamW on CUDA; optim.impl is {self.cfg.optim.impl} on {self.device.type}"
+        if self.world.sharded:
+            return "FSDP's ranks step shards of each weight"
+        return None
 
     def _train_loop(self, result: TrainResult) -> None:
         """Steps overlap: step N is read and logged after step N + 1 is enqueued, so the device never waits

@@ -249,6 +249,47 @@ def test_sft_trainer_tokenizes_and_trains_a_converted_lora_model(setup, tmp_path
     assert any("fp8_health/gate_proj/input/underflow" in h for h in trainer.state.log_history), trainer.state.log_history
 
 
+def test_training_stopped_by_an_exception_gives_the_frozen_base_back(setup, tmp_path):
+    """A LoRA run that stops with an exception (a Ctrl-C in a notebook: the Trainer calls no on_train_end) gives
+    the frozen base back as the end of training does: no FP8 copy outlives it, so adapters merged afterwards
+    reach the forward, and offloaded weights are back where they lived."""
+    peft = pytest.importorskip("peft")
+
+    class Interrupt(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 2:
+                raise KeyboardInterrupt
+
+    model = peft.get_peft_model(_converted(setup), peft.LoraConfig(r=4, target_modules=["q_proj", "down_proj"]))
+    trainer = Trainer(model=model, args=_args(output_dir=str(tmp_path), max_steps=4), train_dataset=setup[3],
+                      data_collator=collate)
+    callback = FP8TrainerCallback(trainer, offload_frozen=True)
+    trainer.add_callback(callback)
+    trainer.add_callback(Interrupt())
+    layers = [m for m in model.modules() if isinstance(m, FP8Linear)]
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+    assert len(layers) == 14 and not any(m.frozen for m in layers)
+    x = setup[1][0]["input_ids"][None, :16]
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:  # adapters that change the output
+                p.add_(0.05)
+        before = model(x).logits
+        merged = model.merge_and_unload()(x).logits
+    assert (merged - before).abs().max() < 0.05 * before.abs().max(), "the merged base is not what runs"
+    callback.release()  # again: nothing left to end
+
+
+def test_convert_for_training_turns_the_kv_cache_off(setup):
+    """Packed rows' document boundaries reach the attention only without a KV cache (transformers derives the
+    mask from position_ids then): a converted model's config says use_cache False."""
+    model = copy.deepcopy(setup[2])
+    model.config.use_cache = True
+    convert_for_training(model)
+    assert model.config.use_cache is False
+
+
 def test_convert_for_training_refuses_a_peft_model_and_warns_on_bf16_weights(setup, caplog):
     peft = pytest.importorskip("peft")
     wrapped = peft.get_peft_model(copy.deepcopy(setup[2]), peft.LoraConfig(r=4, target_modules=["q_proj"]))

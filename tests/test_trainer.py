@@ -464,6 +464,43 @@ def test_deep_gemm_config_key(tmp_path, byte_tokenizer, corpus, monkeypatch):
     assert gemm.load_deep_gemm is not missing  # the module's own function untouched
 
 
+@pytest.mark.parametrize("cap", [None, 2])
+def test_evaluation_covers_the_same_rows_at_any_number_of_ranks(tmp_path, byte_tokenizer, corpus, cap):
+    """`evaluate` dealt out to 2 and 3 ranks (each rank's sums recorded where they would be all-reduced): the
+    ranks' rows together are the single process's (the whole split, or the first eval_batches x micro_batch
+    rows), every rank runs as many forwards (a sharded model all-gathers in each), and the summed loss is the
+    single process's. Before, each rank took eval_batches micro-batches of its own and several ranks dropped
+    the split's remainder."""
+    from fp8train.train.distributed import World
+
+    trainer = Trainer(tiny_config(tmp_path, byte_tokenizer, corpus, **{"train.micro_batch": 3, "train.global_batch": 6,
+                                                                       "train.eval_batches": cap or "null"}),
+                      progress=False)
+    assert len(trainer.val_data) % 3 and len(trainer.val_data) > 6  # a remainder for 2 and 3 ranks alike
+    one = trainer.evaluate()
+    forwards = []
+    real_forward = trainer.model.forward
+    trainer.model.forward = lambda *a, **k: forwards.append(1) or real_forward(*a, **k)
+    for ws in (2, 3):
+        sums = []
+
+        class Recording(World):
+            @staticmethod
+            def all_reduce_sum(value):
+                sums.append(value.item())
+                return value
+
+        runs = []
+        for rank in range(ws):
+            trainer.world, forwards[:] = Recording(rank=rank, world_size=ws), []
+            trainer.evaluate()
+            runs.append(len(forwards))
+        total, count = sum(sums[0::2]), sum(sums[1::2])
+        assert len(set(runs)) == 1, runs
+        assert abs(total / count - one) <= 1e-6 * one, (ws, total / count, one)
+    trainer.world = World()
+
+
 def test_hold_fp8_weights_config_key(tmp_path, byte_tokenizer, corpus, capsys):
     """`hold_fp8_weights: true`: the steps' context (`Trainer.fp8_weights`) has the optimizer write every converted
     layer's FP8 weight, and gives the copies back after; where the optimizer cannot (torch's AdamW: the CPU's),

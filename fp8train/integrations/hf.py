@@ -22,12 +22,17 @@ What the Trainer's options need with converted layers (each tested on a CPU in t
   each FP8Linear as its frozen base layer. A model already wrapped by PEFT is refused. While it trains, the
   callback keeps the frozen base's FP8 weights (`freeze_fp8_weights`: made once, not every step; with
   `offload_frozen=True` the base's own weights wait in host memory) and gives them back at the end, before
-  anything can merge adapters into them.
+  anything can merge adapters into them: also when training stops with an exception (a Ctrl-C in a notebook),
+  where the Trainer calls no `on_train_end` (the callback wraps `trainer.train`; `release()` does it by hand).
+- packed rows (`position_ids` restarting at each document, as `fp8train.build_sft_datasets` makes them):
+  transformers derives each document's attention mask from them only when the forward uses no KV cache, so
+  `convert_for_training` sets `config.use_cache = False` (training needs none; `generate` still caches).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 
 import torch
@@ -49,11 +54,14 @@ def convert_for_training(model: nn.Module, recipe: str = "hybrid", *, pow2_scale
                          module_filter_fn=None) -> ConversionReport:
     """Swap the decoder projections of a transformers causal LM for FP8Linear, in place, before the Trainer
     (and PEFT) see it; returns `convert_to_fp8`'s report. Parameters keep their names and objects, so
-    `save_pretrained` writes a plain checkpoint."""
+    `save_pretrained` writes a plain checkpoint. Sets `config.use_cache = False`: with a cache in use
+    transformers ignores packed rows' document boundaries (module docstring)."""
     if hasattr(model, "peft_config"):
         raise ValueError("convert_for_training: the model is already wrapped by PEFT; convert it first, then wrap "
                          "it (get_peft_model or SFTTrainer(peft_config=...)), so that LoRA's base layers are FP8")
     report = convert_to_fp8(model, make_recipe(recipe, pow2_scale=pow2_scale), module_filter_fn)
+    if getattr(model, "config", None) is not None:
+        model.config.use_cache = False
     low = sorted({str(m.weight.dtype) for m in model.modules() if isinstance(m, FP8Linear)} - {"torch.float32"})
     if low:
         log.warning("fp8train: the converted layers' weights are %s, not float32: the optimizer then updates "
@@ -72,6 +80,9 @@ class FP8TrainerCallback(TrainerCallback):
     - with `torch_compile=True`, adds `fp8train.compile_options()` to the Trainer's compile;
     - while training, keeps frozen weights (a LoRA base) in FP8, made once (`freeze_fp8_weights`), with
       `offload_frozen` their high-precision values in host memory.
+
+    All of it ends with training, normally or by an exception (it wraps `trainer.train`); `release()` ends it
+    by hand (idempotent).
     """
 
     def __init__(self, trainer: Trainer, *, health_every: int = 0, offload_frozen: bool = False):
@@ -88,6 +99,16 @@ class FP8TrainerCallback(TrainerCallback):
         self._health = contextlib.ExitStack()
         self._stats: dict | None = None
         _add_compile_options(trainer)
+        train = trainer.train
+
+        @functools.wraps(train)
+        def train_then_release(*args, **kwargs):
+            try:
+                return train(*args, **kwargs)
+            finally:  # an exception skips on_train_end: a stale FP8 base would outlive a merge of the adapters
+                self.release()
+
+        trainer.train = train_then_release
 
     def on_train_begin(self, args, state, control, **kwargs):
         self._frozen.enter_context(freeze_fp8_weights(self._trainer.model, offload=self.offload_frozen))
@@ -115,6 +136,10 @@ class FP8TrainerCallback(TrainerCallback):
         self._stats = None
 
     def on_train_end(self, args, state, control, **kwargs):
+        self.release()
+
+    def release(self) -> None:
+        """End health tracking, the step's weight cache and the frozen FP8 base (its weights back on their device)."""
         self._health.close()
         self._cache.close()
         self._frozen.close()

@@ -46,7 +46,8 @@ class LoopConfig:
     eval_every: int = 0
     """Validation loss every this many steps (and always at the end); 0 = only at the end."""
     eval_batches: int | None = None
-    """Cap on validation micro-batches per evaluation; null = the whole validation split."""
+    """Cap on validation micro-batches per evaluation (its first eval_batches x micro_batch rows, whatever the
+    number of ranks); null = the whole validation split."""
     save_every: int = 0
     """Checkpoint every this many steps (and always at the end); 0 = only at the end."""
     keep_last: int | None = 2

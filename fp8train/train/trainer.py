@@ -35,7 +35,7 @@ from .attention import document_mask, use_packed_attention
 from .checkpoint import find_latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainConfig, config_to_dict
 from .distributed import World
-from .loss import count_targets, target_rows, use_loss
+from .loss import IGNORE_INDEX, count_targets, target_rows, use_loss
 from .metrics import MetricsLogger, Throughput, device_clock, flops_per_token, peak_memory_gib, peak_tflops
 from .lora import apply_lora, is_lora
 from .model import PRESETS, build_model, check_weights_match, load_model_tokenizer, parallelize_model
@@ -351,29 +351,37 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
-        """Mean per-token loss over the validation split (at most `train.eval_batches` micro-batches)."""
+        """Mean per-token loss over the validation split, or its first `train.eval_batches` micro-batches' rows:
+        the same rows whatever the number of ranks. The rows are dealt out to the ranks in turn; a rank left
+        short runs rows without a target in their place (each forward of a sharded model all-gathers, so every
+        rank runs as many), which add nothing to the loss."""
         if self.val_data is None or len(self.val_data) == 0:
             return None
         self.model.eval()
         mb, cap, ws = self.cfg.train.micro_batch, self.cfg.train.eval_batches, self.world.world_size
-        # Several ranks drop the remainder, so that each runs the same number of forward passes
-        # (sharded models all-gather in every one); a single process evaluates every row.
-        usable = len(self.val_data) if ws == 1 else len(self.val_data) - len(self.val_data) % (mb * ws)
-        local = list(range(self.world.rank, usable, ws))
-        chunks = [local[j:j + mb] for j in range(0, len(local), mb)][:cap]
+        rows = len(self.val_data) if cap is None else min(len(self.val_data), cap * mb)
+        local = list(range(self.world.rank, rows, ws))
+        local += [None] * (-(-rows // ws) - len(local))
         total = torch.zeros((), device=self.device, dtype=torch.float64)
         count = torch.zeros((), device=self.device, dtype=torch.float64)
-        for idx in chunks:
-            batch = self._to_device(collate([self.val_data[i] for i in idx]))
+        for j in range(0, len(local), mb):
+            batch = self._to_device(collate([self._val_row(i) for i in local[j:j + mb]]))
             n = count_targets(batch["labels"])
             self._mark_step()
             with self._autocast():
                 out = self.model(**batch, num_items_in_batch=n)
-            total += out.loss.double() * n
+            total += torch.where(n > 0, out.loss.double() * n, 0.0)  # (no target: the loss is 0 / 0)
             count += n
         self.model.train()
         total, count = self.world.all_reduce_sum(total), self.world.all_reduce_sum(count)
         return float(total / count) if count > 0 else None
+
+    def _val_row(self, i: int | None) -> dict:
+        """Validation row i, or (None) the first row with no target: a stand-in that adds nothing to the loss."""
+        if i is not None:
+            return self.val_data[i]
+        row = self.val_data[0]
+        return {**row, "labels": torch.full_like(row["labels"], IGNORE_INDEX)}
 
     def save(self) -> Path:
         """Checkpoint the current step (every rank calls it; a sharded model writes its shards)."""

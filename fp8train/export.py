@@ -52,6 +52,7 @@ FP8_BLOCK = (128, 128)
 _PROJ_GROUPS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
 _PROJ_NAMES = {name: group for group in _PROJ_GROUPS for name in group}
 _COPIED_FILES = (*TOKENIZER_FILES, "generation_config.json")
+_SIZE_UNITS = {"": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}  # huggingface_hub's decimal units
 
 
 def _resolve_model_dir(src: Path) -> Path:
@@ -63,6 +64,33 @@ def _resolve_model_dir(src: Path) -> Path:
         f"export: {src} is neither a Hugging Face model directory (config.json + *.safetensors) "
         f"nor a training checkpoint with one under model/"
     )
+
+
+def _shard_size(value: str | int) -> int:
+    """`--max-shard-size` in bytes: digits alone are bytes. huggingface_hub refuses digits alone and 0 only
+    after the whole conversion ran, so the value is checked (and converted) before any work."""
+    text = str(value).strip().upper()
+    size = 0
+    if re.fullmatch(r"\d+|\d+(\.\d+)?\s*[KMGT]B", text):
+        number = re.match(r"[\d.]+", text)[0]
+        whole, _, frac = number.partition(".")  # integer arithmetic: exact for any number of digits
+        size = int(whole + frac) * _SIZE_UNITS[text[len(number):].strip()] // 10 ** len(frac)
+    if size < 1:
+        raise ValueError(f"export: --max-shard-size {value!r}: expected a positive size such as 5GB, 500MB or a "
+                         "number of bytes (units KB, MB, GB, TB)")
+    return size
+
+
+def _read_config(model_dir: Path) -> dict:
+    """config.json of `model_dir` as a dict; anything else is an error naming the file."""
+    path = model_dir / "config.json"
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
+        raise ValueError(f"export: {path} is not valid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"export: {path} holds a JSON {type(cfg).__name__}, not an object (a model config)")
+    return cfg
 
 
 def _weight_files(model_dir: Path) -> list[Path]:
@@ -131,8 +159,8 @@ def _convert(model_dir: Path, fmt: str, pow2_scale: bool) -> tuple[dict[str, tor
     return sd, {"converted": sorted(to_fp8), "kept_bf16": kept}
 
 
-def _write_config(model_dir: Path, out: Path, fmt: str, summary: dict, pow2_scale: bool) -> None:
-    cfg = json.loads((model_dir / "config.json").read_text())
+def _write_config(cfg: dict, out: Path, fmt: str, summary: dict, pow2_scale: bool) -> None:
+    """Write the source's config.json `cfg` (modified in place) for the export."""
     cfg["dtype"] = "bfloat16"
     if "torch_dtype" in cfg:  # older transformers / vLLM read this name
         cfg["torch_dtype"] = "bfloat16"
@@ -160,24 +188,24 @@ def export_checkpoint(
     out_dir: str | Path,
     format: str = "hf",
     pow2_scale: bool = False,
-    max_shard_size: str = "5GB",
+    max_shard_size: str | int = "5GB",
 ) -> Path:
     """Export the model in `src` (HF model dir or training checkpoint dir) to `out_dir`; returns out_dir.
 
     format: "hf" (BF16 safetensors) or "fp8-block" (E4M3 projections with 128x128 FP32 scale_inv).
     pow2_scale: round each block's scale up to a power of two (exact rescaling, slightly coarser).
-    max_shard_size: shards larger than this are split, with a model.safetensors.index.json.
+    max_shard_size: shards larger than this are split, with a model.safetensors.index.json; bytes, or a
+    string with a unit such as "500MB".
     """
     from huggingface_hub import save_torch_state_dict
 
     if format not in EXPORT_FORMATS:
         raise ValueError(f"export: unknown format {format!r}; expected one of {list(EXPORT_FORMATS)}")
-    if not re.fullmatch(r"\d+|\d+(\.\d+)?\s*[KMGT]B", str(max_shard_size).strip(), re.IGNORECASE):  # (before the work)
-        raise ValueError(f"export: --max-shard-size {max_shard_size!r}: expected a size such as 5GB or 500MB "
-                         "(units KB, MB, GB, TB)")
+    shard_bytes = _shard_size(max_shard_size)
     src, out = Path(src), Path(out_dir)
     model_dir = _resolve_model_dir(src)
-    if "quantization_config" in json.loads((model_dir / "config.json").read_text()):
+    cfg = _read_config(model_dir)  # once, before the conversion: a bad config.json fails fast
+    if "quantization_config" in cfg:
         raise ValueError(f"export: {model_dir} is already quantized (config.json has quantization_config); "
                          f"export from the unquantized checkpoint")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -186,9 +214,9 @@ def export_checkpoint(
     sd, summary = _convert(model_dir, format, pow2_scale)
     tmp = fs.new_temp_dir(out)
     try:
-        save_torch_state_dict(sd, tmp, max_shard_size=max_shard_size)
+        save_torch_state_dict(sd, tmp, max_shard_size=shard_bytes)
         del sd
-        _write_config(model_dir, tmp, format, summary, pow2_scale)
+        _write_config(cfg, tmp, format, summary, pow2_scale)
         for name in _COPIED_FILES:
             if (model_dir / name).is_file():
                 shutil.copyfile(model_dir / name, tmp / name)  # contents only: the umask's permissions
@@ -277,6 +305,7 @@ def add_cli(subparsers) -> argparse.ArgumentParser:
         "--pow2-scale", action=argparse.BooleanOptionalAction, default=False,
         help="fp8-block: round block scales up to powers of two (default: exact FP32 scales)",
     )
-    p.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard, e.g. 5GB or 500MB")
+    p.add_argument("--max-shard-size", default="5GB",
+                   help="largest safetensors shard, e.g. 5GB, 500MB or a number of bytes")
     p.set_defaults(func=_run_cli)
     return p

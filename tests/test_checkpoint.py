@@ -410,12 +410,12 @@ class _RunsCode:
 
 
 def _forge(ckpt, rel, data: bytes):
-    """Replace one file of a checkpoint and make its manifest agree: the attacker controls every file."""
+    """Replace (or add) one file of a checkpoint and make its manifest agree: the attacker controls every file."""
     import hashlib
 
     (ckpt / rel).write_bytes(data)
     manifest = json.loads((ckpt / "manifest.json").read_text())
-    entry = manifest["files"][rel]
+    entry = manifest["files"].setdefault(rel, {})
     if isinstance(entry, dict):
         entry.update(size=len(data), sha256=hashlib.sha256(data).hexdigest())
     else:
@@ -505,6 +505,19 @@ def test_forged_sharded_metadata_fields_are_checked(sharded_copy):
     _forge(sharded_copy, "dcp/.metadata", pickle.dumps(md))
     with pytest.raises(CorruptCheckpointError, match="byte range outside"):
         load_checkpoint(sharded_copy, model=_model(seed=7))
+
+
+@pytest.mark.parametrize("name", ["../optimizer.pt", "/etc/hostname", ".", 7])
+def test_forged_index_naming_a_file_outside_the_model_refused(saved, name):
+    """Resume reads the files a (listed, correctly hashed) index names only from model/: the check that
+    export and eval share (`index_weight_names`)."""
+    _, _, second = saved
+    index = json.dumps({"weight_map": {"model.norm.weight": "model.safetensors", "lm_head.weight": name}})
+    _forge(second, "model/model.safetensors.index.json", index.encode())
+    with pytest.raises(ValueError, match=f"weight_map entry 'lm_head.weight' -> {name!r} is not the name of a file "
+                                         "directly inside") as error:
+        _load_into_fresh(second)
+    _one_line_naming(error, "model/model.safetensors.index.json")
 
 
 @pytest.mark.parametrize("victim", ["train_state.pt", "optimizer.pt"])

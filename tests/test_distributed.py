@@ -251,8 +251,24 @@ def _scenario_failed_save(info, out_dir) -> dict:
         return {"error": f"{type(e).__name__}: {e}"}
 
 
+def _scenario_shard_report(info, out_dir) -> dict:
+    """What `World.shard` (the trainer's FSDP hook) logs on rank 0 when FP8 all-gather is asked for: at world
+    size 1 every FP8 weight falls back to a BF16 gather, for one reason."""
+    import dataclasses
+    import logging
+
+    messages = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logger = logging.getLogger("fp8train.train.distributed")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)  # (this forked worker's logger only)
+    report = dataclasses.replace(info, fsdp=DistributedConfig(fp8_param_gather=True)).shard(_model("hybrid"))
+    return {"log": messages, "report": str(report), "bf16_gather": report.bf16_gather}
+
+
 _SCENARIOS = {"losses": _scenario_losses, "checkpoint": _scenario_checkpoint, "failed_save": _scenario_failed_save,
-              "save_ws1": _scenario_save_ws1,
+              "save_ws1": _scenario_save_ws1, "shard_report": _scenario_shard_report,
               # at world size 1 there is nothing to all-gather: FP8 gather falls back to BF16 (tested in ws 2)
               "losses_ws1": lambda info, out_dir: _scenario_losses(info, out_dir, ("hybrid", "bf16"))}
 
@@ -504,9 +520,34 @@ def test_single_process_is_unchanged():
         init_distributed(DistributedConfig(backend="mpi"))
 
 
+def test_start_up_log_names_bf16_gathered_weights_and_why(tmp_path):
+    """docs/distributed.md: with fp8_param_gather, the start-up report names each weight gathered in BF16
+    and says why; World.shard logs that report, not only counts."""
+    res = _launch(1, ["shard_report"], tmp_path)[0]["shard_report"]
+    assert len(res["bf16_gather"]) == 14 and res["log"] == [res["report"]]
+    assert ("BF16 all-gather (world size 1: nothing to all-gather): model.layers.0.self_attn.q_proj, "
+            "model.layers.0.self_attn.k_proj") in res["log"][0]
+
+
 def test_partial_torchrun_environment_is_an_error(monkeypatch):
+    """A launch or config mistake is the user's: ValueError (one line, exit 2 from the CLI), not RuntimeError."""
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.delenv("RANK", raising=False)
-    with pytest.raises(RuntimeError, match="RANK is missing"):
+    with pytest.raises(ValueError, match="RANK is missing"):
         init_distributed(DistributedConfig(backend="gloo"))
+    monkeypatch.setenv("RANK", "one")
+    with pytest.raises(ValueError, match="RANK='one' is not an integer"):
+        init_distributed(DistributedConfig(backend="gloo"))
+    monkeypatch.setenv("RANK", "2")
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    with pytest.raises(ValueError, match=r"RANK=2 is outside 0..WORLD_SIZE-1"):
+        init_distributed(DistributedConfig(backend="gloo"))
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="'distributed.backend' is nccl but CUDA is not available; use gloo"):
+        init_distributed(DistributedConfig(backend="nccl"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ValueError, match="LOCAL_RANK=2 but only 2 GPUs are visible"):
+        init_distributed(DistributedConfig(backend="auto"))
 

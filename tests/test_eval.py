@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -153,6 +154,33 @@ def test_bad_input_is_named(tiny_model, tmp_path):
             EvalConfig(model="m", data="d", **kwargs)
     with pytest.raises(ValueError, match="greedy"):
         EvalConfig(model="m", data="d", greedy=True, samples=4)
+
+
+def test_data_folder_and_json_shapes_are_named(tmp_path, capsys):
+    """A folder passed as --data is said to be a folder; a .json file of another shape than the documented
+    ones (a list, or an object with 'problems') is refused in one line that names them, not per field."""
+    from fp8train.cli import main
+
+    folder = tmp_path / "data"
+    folder.mkdir()
+    with pytest.raises(IsADirectoryError, match=rf"data file {folder} is a folder, not a file"):
+        load_problems(EvalConfig(model="m", data=str(folder)))
+    single = tmp_path / "single.json"
+    shapes = "expected a list of problem objects, or an object whose 'problems' is a list or an object of them; got"
+    for data, got in (({"question": "1 + 1?", "answer": "2"}, "an object without 'problems' (for a single problem, "
+                       "put it in a list)"), ("1 + 1?", "a string"), ({"problems": None}, "'problems' holding null")):
+        single.write_text(json.dumps(data))
+        with pytest.raises(ValueError, match=re.escape(f"eval: {single}: {shapes} {got}")):
+            load_problems(EvalConfig(model="m", data=str(single)))
+    single.write_text(json.dumps([{"question": "1 + 1?", "answer": "2"}]))  # the single problem, in a list
+    problems = load_problems(EvalConfig(model="m", data=str(single)))
+    assert [(p.question, p.gold_answer) for p in problems] == [("1 + 1?", "2")]
+    single.write_text(json.dumps({"question": "1 + 1?", "answer": "2"}))
+    for data, expected in ((folder, "is a folder, not a file"), (single, "got an object without 'problems'")):
+        capsys.readouterr()
+        assert main(["eval", "no-model", "--data", str(data), "--out", str(tmp_path / "out")]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and expected in err and "does not exist" not in err, err
 
 
 def test_champ_json_and_mc_list_field(tmp_path):

@@ -4,6 +4,7 @@ import argparse
 import importlib.util
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -303,3 +304,108 @@ def test_bad_input_and_atomic_write(exports, tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="disk full"):
         export_checkpoint(exports["src"], tmp_path / "half")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["nosafetensors"]  # no half export, no temp dir
+
+
+def _list_in_manifest(ckpt, rel, drop=()):
+    """Make the manifest of `ckpt` list `rel` with its true size and sha256 (and forget `drop`): what a
+    forger who wrote every file of the checkpoint can do."""
+    import hashlib
+
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    data = (ckpt / rel).read_bytes()
+    manifest["files"][rel] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    for gone in drop:
+        del manifest["files"][gone]
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+
+
+def _refused_in_one_line(argv, capsys, *expected):
+    from fp8train.cli import main
+
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err and all(e in err for e in expected), err
+
+
+def test_index_naming_a_file_outside_the_model_is_refused(exports, tmp_path, capsys):
+    """A verified checkpoint whose (listed, correctly hashed) index maps tensors to a file outside its
+    model/ folder: export and eval refuse it in one line naming the index and the entry, and read nothing."""
+    from fp8train.train.checkpoint import verify_checkpoint
+
+    ckpt = _training_checkpoint(exports, tmp_path / "ckpts")
+    outside = tmp_path / "elsewhere" / "y.safetensors"
+    outside.parent.mkdir()
+    (ckpt / "model" / "model.safetensors").rename(outside)
+    with safe_open(str(outside), framework="pt") as f:
+        names = list(f.keys())
+    index = ckpt / "model" / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {}, "weight_map": {n: str(outside) for n in names}}))
+    _list_in_manifest(ckpt, "model/model.safetensors.index.json", drop=["model/model.safetensors"])
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # so that eval gets as far as the weights
+        (ckpt / "model" / name).write_bytes((exports["src"] / name).read_bytes())
+        _list_in_manifest(ckpt, f"model/{name}")
+    verify_checkpoint(ckpt)  # the forgery passes the manifest check: the index itself must be checked
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match=rf"export: .*index.json: weight_map entry '{names[0]}' -> "
+                                         rf"'{outside}' is not the name of a file directly inside .*model"):
+        export_checkpoint(ckpt, out)
+    _refused_in_one_line(["export", str(ckpt), "-o", str(out)], capsys, str(index), str(outside))
+    data = tmp_path / "problems.jsonl"
+    data.write_text('{"question": "1 + 1?", "answer": "2"}\n')
+    _refused_in_one_line(["eval", str(ckpt), "--data", str(data), "--out", str(tmp_path / "eval")], capsys,
+                         "eval: ", str(index), str(outside))
+    assert not out.exists() and not (tmp_path / "eval").exists()
+
+    # The same in a plain model directory, for a relative escape and for a name that is not a string.
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    for f in exports["src"].iterdir():
+        (plain / f.name).write_bytes(f.read_bytes())
+    shard = "model-00001-of-00001.safetensors"
+    (plain / "model.safetensors").rename(plain / shard)
+    for bad, shown in (("../model.safetensors", "'../model.safetensors'"), (1, "1"), ([shard], repr([shard]))):
+        (plain / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": shard, "b": bad}}))
+        with pytest.raises(ValueError, match=re.escape(f"weight_map entry 'b' -> {shown} is not the name of a file")):
+            export_checkpoint(plain, out)
+        _refused_in_one_line(["export", str(plain), "-o", str(out)], capsys, "export: ", shown)
+        _refused_in_one_line(["eval", str(plain), "--data", str(data), "--out", str(tmp_path / "eval")], capsys,
+                             "eval: ", shown)
+    assert not out.exists() and not (tmp_path / "eval").exists()
+    (plain / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": shard}}))
+    assert export_checkpoint(plain, out) == out  # a plain file name in the folder is read as before
+
+
+@pytest.mark.parametrize("config, expected", [("{bad", "is not valid JSON"),
+                                              ("[1, 2]", "holds a JSON list, not an object")])
+def test_malformed_config_is_refused_before_any_work(exports, tmp_path, monkeypatch, capsys, config, expected):
+    import fp8train.export as export
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for f in exports["src"].iterdir():
+        (src / f.name).write_bytes(f.read_bytes())
+    (src / "config.json").write_text(config)
+    monkeypatch.setattr(export, "_convert", lambda *a: pytest.fail("converted before reading config.json"))
+    with pytest.raises(ValueError, match=rf"export: {re.escape(str(src / 'config.json'))} {expected}"):
+        export_checkpoint(src, tmp_path / "o")
+    _refused_in_one_line(["export", str(src), "-o", str(tmp_path / "o")], capsys, str(src / "config.json"), expected)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_max_shard_size_in_bytes_and_non_positive_refused(exports, tmp_path, monkeypatch, capsys):
+    import fp8train.export as export
+
+    out = export_checkpoint(exports["src"], tmp_path / "bytes", format="hf", max_shard_size="400000")
+    assert len(list(out.glob("*.safetensors"))) > 2 and (out / "model.safetensors.index.json").is_file()
+    ref = _tensors(exports["hf"])
+    assert all(torch.equal(t, ref[k]) for k, t in _tensors(out).items()) and len(_tensors(out)) == len(ref)
+    assert export._shard_size("400KB") == export._shard_size(400000) == 400000
+    assert export._shard_size("1.5 gb") == 1_500_000_000 and export._shard_size("9" * 30) == int("9" * 30)
+    monkeypatch.setattr(export, "_convert", lambda *a: pytest.fail("converted before checking --max-shard-size"))
+    for bad in ("0", "0GB", "0.0001KB", "-1", 0, "5 GiB", "1e9", ""):
+        with pytest.raises(ValueError, match=r"--max-shard-size .*: expected a positive size"):
+            export_checkpoint(exports["src"], tmp_path / "o", max_shard_size=bad)
+    _refused_in_one_line(["export", str(exports["src"]), "-o", str(tmp_path / "o"), "--max-shard-size", "0"], capsys,
+                         "--max-shard-size '0'")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bytes"]

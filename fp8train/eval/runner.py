@@ -131,8 +131,16 @@ class Problem:
     """mc: options in the order shown to the model."""
 
 
+def _json_type(value) -> str:
+    """What a parsed JSON value is, in JSON's words."""
+    names = {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "a number", float: "a number"}
+    return names.get(type(value), "null")
+
+
 def _records(path: Path):
     """(where, object) for every record of a JSONL or JSON file."""
+    if path.is_dir():
+        raise IsADirectoryError(f"eval: data file {path} is a folder, not a file; pass a .jsonl or .json file")
     if not path.is_file():
         raise FileNotFoundError(f"eval: data file {path} does not exist")
     text = path.read_text(encoding="utf-8")
@@ -141,11 +149,20 @@ def _records(path: Path):
             data = json.loads(text)
         except json.JSONDecodeError as e:
             raise ValueError(f"eval: {path}:{e.lineno}: invalid JSON: {e.msg}") from None
-        if isinstance(data, dict) and "problems" in data:  # e.g. CHAMP: {"problems": {id: {...}}}
-            data = data["problems"]
-        items = data.items() if isinstance(data, dict) else enumerate(data) if isinstance(data, list) else None
+        # The documented shapes only: a list, or e.g. CHAMP's {"problems": {id: {...}}}. Any other object
+        # (a single problem, most likely) would be read as records keyed by its fields.
+        problems = data.get("problems") if isinstance(data, dict) else data
+        items = (problems.items() if isinstance(problems, dict) else enumerate(problems)
+                 if isinstance(problems, list) else None)
         if items is None:
-            raise ValueError(f"eval: {path}: expected a list of objects or an object with 'problems'")
+            if not isinstance(data, dict):
+                got = _json_type(data)
+            elif "problems" in data:
+                got = f"'problems' holding {_json_type(problems)}"
+            else:
+                got = "an object without 'problems' (for a single problem, put it in a list)"
+            raise ValueError(f"eval: {path}: expected a list of problem objects, or an object whose 'problems' is "
+                             f"a list or an object of them; got {got}")
         for key, obj in items:
             yield f"{path}:record {key}", obj
         return
@@ -161,7 +178,7 @@ def _records(path: Path):
 
 def _field(obj, name: str, where: str, option: str):
     if not isinstance(obj, dict):
-        raise ValueError(f"eval: {where}: expected a JSON object, got {type(obj).__name__}")
+        raise ValueError(f"eval: {where}: expected a JSON object, got {_json_type(obj)}")
     if name not in obj or obj[name] is None or obj[name] == "":
         raise ValueError(f"eval: {where}: missing field {name!r} (fields: {sorted(obj)}); choose it with {option}")
     return obj[name]

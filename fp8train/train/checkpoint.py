@@ -49,6 +49,7 @@ from torch import nn
 from . import files as fs
 from .distributed import all_ranks_ok, get_rank, is_sharded_model
 from .lora import ADAPTER_DIR, is_lora, load_lora_model, save_lora_model
+from .model import index_weight_names
 
 __all__ = ["Checkpoint", "CorruptCheckpointError", "capture_rng_state", "find_latest_checkpoint", "hf_model_dir",
            "load_checkpoint", "read_model_weights", "restore_rng_state", "save_checkpoint", "save_model_dir", "tied_names",
@@ -161,12 +162,7 @@ def read_model_weights(model: nn.Module, model_dir: Path) -> dict[str, torch.Ten
     index = model_dir / "model.safetensors.index.json"
     names = ["model.safetensors"]
     if index.is_file():
-        try:
-            names = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise ValueError(f"{index} is not a safetensors index ({type(e).__name__}: {e})") from None
-        if not all(isinstance(n, str) and n not in ("", ".", "..") and "/" not in n and "\\" not in n for n in names):
-            raise ValueError(f"{index} names a weight file outside {model_dir}")
+        names = index_weight_names(index)
     state: dict[str, torch.Tensor] = {}
     for name in names:
         try:

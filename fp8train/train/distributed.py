@@ -78,9 +78,8 @@ class World:
     def shard(self, model: nn.Module) -> FsdpReport:
         """`apply_fsdp` with this world's options (the hook `parallelize_model` runs last)."""
         report = apply_fsdp(model, self.fsdp or DistributedConfig(), self)
-        if self.is_main:
-            log.info("FSDP2: %d sharded modules, FP8 all-gather for %d weights, BF16 gather for %d",
-                     len(report.sharded), len(report.fp8_gather), len(report.bf16_gather))
+        if self.is_main:  # the whole report: which weights fall back to a BF16 gather, and why
+            log.info("%s", report)
         return report
 
     @staticmethod
@@ -118,12 +117,12 @@ class FsdpReport:
 def _env_int(name: str) -> int:
     value = os.environ.get(name)
     if value is None:
-        raise RuntimeError(f"launched by torchrun but the environment variable {name} is missing "
-                           "(torchrun sets RANK, LOCAL_RANK and WORLD_SIZE together)")
+        raise ValueError(f"launched by torchrun but the environment variable {name} is missing "
+                         "(torchrun sets RANK, LOCAL_RANK and WORLD_SIZE together)")
     try:
         return int(value)
     except ValueError:
-        raise RuntimeError(f"environment variable {name}={value!r} is not an integer") from None
+        raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
 
 
 def init_distributed(cfg: DistributedConfig) -> World:
@@ -142,13 +141,13 @@ def init_distributed(cfg: DistributedConfig) -> World:
     else:
         rank, world_size, local_rank = _env_int("RANK"), _env_int("WORLD_SIZE"), _env_int("LOCAL_RANK")
         if not 0 <= rank < world_size:
-            raise RuntimeError(f"RANK={rank} is outside 0..WORLD_SIZE-1 (WORLD_SIZE={world_size})")
+            raise ValueError(f"RANK={rank} is outside 0..WORLD_SIZE-1 (WORLD_SIZE={world_size})")
         backend = cfg.backend if cfg.backend != "auto" else ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
         if not torch.cuda.is_available():
-            raise RuntimeError("config key 'distributed.backend' is nccl but CUDA is not available; use gloo")
+            raise ValueError("config key 'distributed.backend' is nccl but CUDA is not available; use gloo")
         if local_rank >= torch.cuda.device_count():
-            raise RuntimeError(f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} GPUs are visible")
+            raise ValueError(f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} GPUs are visible")
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     else:

@@ -22,8 +22,8 @@ from ..fp8.quant import round_up
 from .schema import ConfigError
 from .lora import LoraConfig, base_model
 
-__all__ = ["ModelConfig", "PRESETS", "build_model", "check_weights_match", "decoder_layers", "load_model_tokenizer",
-           "parallelize_model", "weight_files"]
+__all__ = ["ModelConfig", "PRESETS", "build_model", "check_weights_match", "decoder_layers", "index_weight_names",
+           "load_model_tokenizer", "parallelize_model", "weight_files"]
 
 log = logging.getLogger(__name__)
 
@@ -211,17 +211,35 @@ def build_model(cfg: ModelConfig, tokenizer=None) -> nn.Module:
 # --------------------------------------------------------------------------- checkpoint files, checked
 
 
+def index_weight_names(index: Path, what: str | None = None) -> list[str]:
+    """The file names that a `model.safetensors.index.json` maps tensors to, sorted and without repeats.
+
+    The index is untrusted, and a training checkpoint's manifest vouches only for the files it lists: a name
+    with a path separator, "." or ".." would make fp8train read a file outside the folder it was handed. So
+    each name must be a plain file name (read directly from the index's folder); an error names `what`, the
+    index and the offending entry.
+    """
+    prefix = f"{what}: " if what else ""
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        entries = list(weight_map.items())
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{prefix}{index} is not a safetensors index ({type(e).__name__}: {e})") from None
+    for tensor, name in entries:
+        if not (isinstance(name, str) and name not in ("", ".", "..") and not any(c in name for c in "/\\\0")):
+            raise ValueError(f"{prefix}{index}: weight_map entry {tensor!r} -> {name!r} is not the name of a file "
+                             f"directly inside {index.parent}")
+    return sorted({name for _, name in entries})
+
+
 def weight_files(model_dir: Path, what: str) -> list[Path]:
     """The safetensors files of a Hugging Face model directory, each checked to be complete (its header
-    read and its size matching it); an error names `what` (e.g. "config key 'model.source'") and the file."""
+    read and its size matching it) and, when an index names them, to lie directly inside the directory; an
+    error names `what` (e.g. "config key 'model.source'") and the file."""
     model_dir = Path(model_dir)
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        try:
-            names = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise ValueError(f"{what}: {index} is not a safetensors index ({type(e).__name__}: {e})") from None
-        files = [model_dir / n for n in names]
+        files = [model_dir / n for n in index_weight_names(index, what)]
         missing = [str(f) for f in files if not f.is_file()]
         if missing:
             raise FileNotFoundError(f"{what}: {index} names shards that do not exist: {missing}")

@@ -10,8 +10,11 @@ both (40); `optimizer_step` with torch's fused AdamW reads the gradient for the 
 fused step as its `grad_scale`, which also writes the scaled gradient back (4 + 28 + 4 = 36); with
 fp8train's Triton AdamW (`optim.impl: triton`, the default on CUDA) the step leaves the gradient as it is
 (4 + 28 = 32), and the norm is the optimizer's own (`TritonAdamW.grad_norm`, one launch per group). The
-Triton step is also timed at a few other launch shapes. The floor is those bytes at the bandwidth of a large
-device copy measured in the same run. Each timed call includes the norm's host sync, as in the trainer.
+Triton step is also timed at a few other launch shapes, and writing the decoder projections' FP8 copies as it
+steps them (`hold_fp8_weights`: 1 byte more per projection parameter), against what those copies replace: W and
+W.T quantized from the FP32 weights (`quantize_blocks`, 5 bytes each per projection parameter). The floor is
+those bytes at the bandwidth of a large device copy measured in the same run. Each timed call includes the
+norm's host sync, as in the trainer.
 """
 
 from __future__ import annotations
@@ -40,6 +43,9 @@ def _ms(fn, reps: int = 5, warmup: int = 2) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from fp8train.fp8.convert import DECODER_PROJECTIONS
+    from fp8train.fp8.kernels import quantize_blocks
+    from fp8train.fp8.recipe import Fp8Format
     from fp8train.train.model import ModelConfig, build_model
     from fp8train.train.adamw import TritonAdamW
     from fp8train.train.optim import (OptimConfig, _param_groups, _total_norm, build_optimizer, clip_grad_norm,
@@ -87,6 +93,24 @@ def main(argv: list[str] | None = None) -> None:
             rows.append(("Triton grad_norm alone", _ms(lambda: opt.grad_norm().item()), 4))
             rows.append(("optimizer_step: clip folded into the Triton step (trainer now)",
                          _ms(lambda: optimizer_step(opt, model, 1.0)), 32))
+            # the projections' FP8 copies written by the step (twenty-seventh session), against quantizing W and
+            # W.T from FP32 in the forward and the backward, what a step without them does
+            e4m3 = Fp8Format.E4M3
+            projections = [p for name, p in model.named_parameters() if name.split(".")[-2] in DECODER_PROJECTIONS]
+            share = sum(p.numel() for p in projections) / n
+            for w in projections:
+                opt.write_fp8_blocks(w, *quantize_blocks(w.detach(), e4m3, True, 16), pow2=True)
+            rows.append(("Triton step writing the projections' FP8 copies", _ms(opt.step), 28 + share))
+            rows.append(("optimizer_step with them (hold_fp8_weights)", _ms(lambda: optimizer_step(opt, model, 1.0)),
+                         32 + share))
+
+            def quantize_w_and_w_t():
+                for w in projections:
+                    quantize_blocks(w.detach(), e4m3, True, 16)
+                    quantize_blocks(w.detach(), e4m3, True, 16, transpose=True)
+
+            rows.append(("W and W.T quantized from FP32 (what the copies replace)", _ms(quantize_w_and_w_t),
+                         10 * share))
         del opt
         torch.cuda.empty_cache()
 
@@ -96,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
     print("|---|---|---|---|---|---|")
     for label, ms, bpp in rows:
         floor = n * bpp / copy_gbs / 1e6
-        print(f"| {label} | {ms:.1f} | {bpp} | {n * bpp / ms / 1e6:,.0f} | {floor:.1f} | {ms / floor:.2f} |")
+        print(f"| {label} | {ms:.1f} | {bpp:.3g} | {n * bpp / ms / 1e6:,.0f} | {floor:.1f} | {ms / floor:.2f} |")
     before, now = (next(ms for label, ms, _ in rows if key in label) for key in ("trainer before", "trainer now"))
     print(f"\nthe trainer's optimizer part: {before:.1f} -> {now:.1f} ms ({before - now:+.1f} ms saved)")
 

@@ -104,7 +104,7 @@ def test_targets_leave_each_documents_prompt_without_a_target():
 
 def test_lora_trains_only_the_adapters_on_the_frozen_fp8_base(capsys):
     """--lora RANK: the trainer's LoRA (adapters on the seven projections, the base frozen), as `Trainer.fit` runs
-    it (the base's FP8 weights made once, `Trainer.frozen_base`); labelled, matched to its own BF16, and its
+    it (the base's FP8 weights made once, `Trainer.fp8_weights`); labelled, matched to its own BF16, and its
     TFLOP/s counted without the frozen weights' grad_weight GEMMs."""
     from fp8train.bench import BenchCase, markdown_table, run_case
     from fp8train.train.metrics import flops_per_token

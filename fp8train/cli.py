@@ -50,8 +50,16 @@ def _run_train(args: argparse.Namespace) -> int:
     return 0
 
 
+# An error about one record starts with where it is: `file:line: ` (JSONL) or `<source> row N: ` (tables; a
+# data.hf_dataset's name follows "data.hf_dataset: ").
+_DATA_LOCATION = re.compile(r"(data\.hf_dataset: )?[^:]+(:\d+| row \d+): ")
+
+
 def _blame_override(message: str, overrides: list[str]) -> str:
-    """Prefix an error that names a dotted key set on the command line with the override as typed."""
+    """Prefix an error that names a dotted key set on the command line with the override as typed; not one
+    about a record, which names the keys that read it (the record is at fault, not the override)."""
+    if _DATA_LOCATION.match(message):
+        return message
     typed = {o.partition("=")[0].strip(): o for o in overrides}  # the last one of a key is the one in force
     for key, item in sorted(typed.items(), key=lambda kv: -len(kv[0])):
         if item in message:

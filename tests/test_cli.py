@@ -10,7 +10,11 @@ import torch
 
 from fp8train.cli import build_parser, main
 from fp8train.train.config import load_config
-from test_trainer import TINY_CONFIG, byte_tokenizer, corpus, one_thread, tiny_overrides  # noqa: F401
+import test_trainer
+from test_trainer import TINY_CONFIG, tiny_overrides
+
+# test_trainer's fixtures, bound here by assignment: imported, pyflakes would call them unused and redefined.
+byte_tokenizer, corpus, one_thread = test_trainer.byte_tokenizer, test_trainer.corpus, test_trainer.one_thread
 
 _STEP_KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "tflops", "mfu", "peak_mem_gib", "tokens",
               "skipped_steps"}
@@ -122,7 +126,7 @@ def test_sft_end_to_end(tmp_path, byte_tokenizer):
     (["eval", "m", "--data", "d.jsonl", "--samples", "0"], 2, "eval: invalid samples=0 (--samples)"),
     (["eval", "m", "--data", "d.jsonl", "--greedy", "--samples", "2"], 2, "use --samples 1"),
     (["export", "/no/such/ckpt", "-o", "out", "--max-shard-size", "5XB"], 2,
-     "export: --max-shard-size '5XB': expected a size such as 5GB"),
+     "export: --max-shard-size '5XB': expected a positive size such as 5GB"),
 ])
 def test_cli_errors_are_one_line_messages(argv, code, message, capsys, tmp_path, monkeypatch, byte_tokenizer):
     monkeypatch.chdir(tmp_path)
@@ -280,6 +284,27 @@ def test_malformed_jsonl_names_the_file_line_and_column(tmp_path, capsys, byte_t
     line = _fails_in_one_line(_train_argv(tmp_path, byte_tokenizer, data, "data.include=['*.jsonl']"), capsys,
                               f"{data}:4: malformed JSON (Expecting value at column 10)")
     assert "line 2" not in line  # (json's own position, counted within the line's bytes)
+
+
+def test_a_bad_record_is_not_blamed_on_a_correct_override(tmp_path, capsys, byte_tokenizer):
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"text": "one"}\n{"body": "two"}\n')
+    line = _fails_in_one_line(_train_argv(tmp_path, byte_tokenizer, data, "data.include=['*.jsonl']",
+                                          "data.text_field=text"), capsys, "no string field 'text' (data.text_field)")
+    assert line.startswith(f"fp8train train: error: {data}:2: "), line  # the record, not data.text_field=text
+
+
+def test_blame_override_leaves_record_errors_alone():
+    from fp8train.cli import _blame_override
+
+    overrides = ["data.response_field=answer", "data.text_field=body"]
+    for record_error in ("/d/x.parquet row 3: 'answer' is missing (null)",
+                         "data.hf_dataset: 'someone/qa' (main)[train] row 0: neither ... data.response_field ...",
+                         "/d/x.jsonl:12: 'answer' must be a string, got int (data.response_field)"):
+        assert _blame_override(record_error, overrides) == record_error
+    # an error about the key itself still names the override that set it
+    message = "/d/x.parquet: no column 'body' (data.text_field); columns: ['text']"
+    assert _blame_override(message, overrides) == f"data.text_field=body (command line): {message}"
 
 
 def test_a_binary_program_is_not_trained_on(tmp_path, capsys, byte_tokenizer, corpus):

@@ -165,8 +165,12 @@ def test_pickled_dataset_reopens_memmap(tok, corpus, tmp_path):
 
 def test_document_masking_gives_each_document_its_own_attention(tok, tmp_path):
     """transformers turns restarting position_ids (no attention_mask, use_cache=False) into a
-    block-diagonal causal mask: docB's logits inside a packed row equal docB's logits alone."""
+    block-diagonal causal mask: docB's logits inside a packed row equal docB's logits alone. With the KV
+    cache on (`config.use_cache`'s default) it does not, as PackedDataset's docstring warns; the trainer's
+    `document_mask` keeps the documents apart either way."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from fp8train.train.attention import document_mask
 
     texts = ["Packing puts documents side by side.", "So the second one must not see the first."]
     (tmp_path / "a.txt").write_text(texts[0])
@@ -198,8 +202,14 @@ def test_document_masking_gives_each_document_its_own_attention(tok, tmp_path):
             model(r["input_ids"][None], position_ids=r["position_ids"][None], use_cache=False).logits[0]
             for r in (row, rows[False])
         )
+        ids, positions = row["input_ids"][None], row["position_ids"][None]
+        cached = model(ids, position_ids=positions).logits[0]
+        mask = document_mask(config, positions, ids.device)
+        masked = model(ids, position_ids=positions, attention_mask=mask).logits[0]
     torch.testing.assert_close(packed[b], alone, atol=2e-5, rtol=0)
     assert (leaky[b] - alone).abs().max() > 1e-3  # without restarts docB attends to docA
+    assert config.use_cache and (cached[b] - alone).abs().max() > 1e-3  # cache on (the default): they leak
+    torch.testing.assert_close(masked[b], alone, atol=2e-5, rtol=0)
 
 
 def test_bad_inputs(tok, corpus, tmp_path):
@@ -227,6 +237,10 @@ def test_bad_inputs(tok, corpus, tmp_path):
         build_cpt_datasets(cfg, tok, 0)
     with pytest.raises(ValueError, match="fewer than data.seq_len=4096"):
         build_cpt_datasets(CptDataConfig(paths=[str(corpus)], seq_len=4096, cache_dir=cache), tok, 0)
+    (tmp_path / "junk.parquet").write_bytes(b"not a parquet file " * 8)
+    with pytest.raises(ValueError, match=rf"^data\.paths: {tmp_path / 'junk.parquet'}: not readable \(ArrowInvalid: "
+                                         "Parquet magic bytes not found"):
+        build_cpt_datasets(CptDataConfig(paths=[str(tmp_path / "junk.parquet")], cache_dir=cache), tok, 0)
     with pytest.raises(ValueError, match="val_fraction"):
         CptDataConfig(paths=["x"], val_fraction=1.0)
     with pytest.raises(ValueError, match="paths is empty"):
@@ -240,6 +254,16 @@ def _cache(cfg, tok):
     """The token stream and document offsets of the cache `cfg` builds."""
     tokens, offsets = cpt_module._load_or_build_cache(cfg, tok)
     return np.asarray(tokens), offsets
+
+
+def test_lone_surrogate_escapes_become_replacement_characters(tok, tmp_path):
+    """`"\\udc00"` alone is valid JSON but no text a tokenizer encodes: it becomes U+FFFD, as a bad byte of a
+    text file does (docs/training.md); an escaped pair (an emoji) stays the character it encodes."""
+    path = tmp_path / "s.jsonl"
+    path.write_text('{"text": "x\\udc00y \\ud83d\\ude00 z\\uD800"}\n{"text": "plain"}\n')
+    tokens, offsets = _cache(CptDataConfig(paths=[str(path)], seq_len=4, cache_dir=str(tmp_path / "cache")), tok)
+    docs = [tokens[a:b].tolist() for a, b in zip(offsets[:-1], offsets[1:])]
+    assert docs == _docs(tok, ["x\ufffdy \U0001f600 z\ufffd", "plain"])
 
 
 def test_a_file_that_is_not_text_is_refused_by_name(tok, tmp_path):
@@ -372,3 +396,10 @@ def test_datasets_folders_arrow_files_and_hub_cache(tok, tmp_path, hf_texts, off
     with pytest.raises(ValueError, match=r"data\.hf_dataset: 'someone/missing'.*could not be loaded"):
         _cache(CptDataConfig(hf_dataset=HfDatasetConfig(name="someone/missing", cache_dir=str(src["cache"])),
                              cache_dir=cache), tok)
+    folder = tmp_path / "local"  # a local folder of data files, one malformed: datasets raises no ValueError
+    folder.mkdir()
+    (folder / "train.jsonl").write_text('{"text": "ok"}\n{"text": broken\n')
+    local = HfDatasetConfig(name=str(folder), cache_dir=str(tmp_path / "hf_local"))
+    with pytest.raises(ValueError, match=rf"^data\.hf_dataset: '{folder}'\[train\] could not be loaded \(ArrowInvalid: "
+                                         "JSON parse error"):
+        _cache(CptDataConfig(hf_dataset=local, cache_dir=cache), tok)

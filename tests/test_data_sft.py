@@ -134,12 +134,12 @@ def test_overlong_samples(tok, tmp_path, overlong):
     train, _, stats = build_sft_datasets(cfg, tok, seed=0)
     segments = _segments(train)
     if overlong == "truncate":
-        assert (stats.num_truncated, stats.num_skipped, stats.num_train) == (2, 1, 4)
+        assert (stats.num_truncated, stats.num_skipped, stats.num_no_answer, stats.num_train) == (2, 1, 1, 4)
         full = tok.apply_chat_template(_as_chat(long), tokenize=True, return_dict=True)["input_ids"]
         cut = [ids.tolist() for ids, _ in segments if len(ids) == 32]
         assert cut == [full[:32], full[:32]]
     else:
-        assert (stats.num_truncated, stats.num_skipped, stats.num_train) == (0, 3, 2)
+        assert (stats.num_truncated, stats.num_skipped, stats.num_no_answer, stats.num_train) == (0, 3, 0, 2)
         assert all(len(ids) < 32 for ids, _ in segments)
     assert len(segments) == stats.num_train
 
@@ -194,8 +194,23 @@ def test_bad_inputs(tok, tmp_path):
     (tmp_path / "empty.jsonl").write_text("\n \n")
     with pytest.raises(ValueError, match="no samples"):
         build(tmp_path / "empty.jsonl")
-    with pytest.raises(ValueError, match="every sample was dropped"):
-        build(_write(tmp_path / "long.jsonl", [{"prompt": "x " * 100, "response": "y"}]), overlong="skip")
+    with pytest.raises(ValueError, match=r"fields\.jsonl:2: 'response' is missing \(null\)"):
+        build(_write(tmp_path / "fields.jsonl", [CHATS[1], {"prompt": "q", "response": None}]))
+    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+    pq.write_table(pa.table({"prompt": ["q", "r"], "response": ["a", None]}), tmp_path / "null.parquet")
+    with pytest.raises(ValueError, match=r"null\.parquet row 1: 'response' is missing \(null\)"):  # an empty cell
+        build(tmp_path / "null.parquet")
+    with pytest.raises(ValueError, match=r"fields\.jsonl:1: 'prompt' must be a string, got int"):
+        build(_write(tmp_path / "fields.jsonl", [{"prompt": 7, "response": "a"}]))
+    with pytest.raises(ValueError, match=r"fields\.jsonl:1: 'messages' is missing \(null\)"):
+        build(_write(tmp_path / "fields.jsonl", [{"messages": None}]))
+    long_prompt = _write(tmp_path / "long.jsonl", [{"prompt": "x " * 100, "response": "y"}])
+    with pytest.raises(ValueError, match=r"every sample was dropped: 1 longer than data\.seq_len=64 "
+                                         r"\(data\.overlong: skip\)$"):
+        build(long_prompt, overlong="skip")
+    with pytest.raises(ValueError, match=r"every sample was dropped: 1 with no assistant token in their first "
+                                         r"data\.seq_len=64 tokens \(the prompt alone is that long\)$"):
+        build(long_prompt, overlong="truncate")  # not for its length: truncating it leaves nothing to learn
     with pytest.raises(ValueError, match="holdout_last=1 leaves none"):
         build(_write(tmp_path / "one.jsonl", [CHATS[1]]), holdout_last=1)
     with pytest.raises(ValueError, match="overlong"):
@@ -253,3 +268,27 @@ def test_datasets_folders_arrow_files_and_hub_cache(tok, tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"no column 'dialog' \(data.hf_dataset.column\); columns: \['question'"):
         build_sft_datasets(SftDataConfig(hf_dataset=named, seq_len=64, prompt_field="question",
                                          response_field="solution"), tok, seed=0)
+
+
+def test_lone_surrogate_escapes_become_replacement_characters(tok, tmp_path):
+    """`"\\ud800"` alone is valid JSON but no text a tokenizer encodes: it becomes U+FFFD, as a bad byte does;
+    an escaped pair (an emoji) stays the character it encodes."""
+    path = tmp_path / "s.jsonl"
+    path.write_text('{"prompt": "a\\ud800b \\ud83d\\ude00", "response": "ok \\uDC00"}\n'
+                    '{"messages": [{"role": "user", "content": "x\\udbff"}, {"role": "assistant", "content": "y"}]}\n')
+    train, _, stats = build_sft_datasets(SftDataConfig(paths=[str(path)], seq_len=64), tok, seed=0)
+    assert stats.num_train == 2
+    texts = sorted(tok.decode(ids) for ids, _ in _segments(train))
+    assert "user\na\ufffdb \U0001f600<|im_end|>" in texts[0] and "assistant\nok \ufffd<|im_end|>" in texts[0]
+    assert "user\nx\ufffd<|im_end|>" in texts[1]
+
+
+def test_tokenizer_without_chat_template_or_chatml_tokens_is_refused(tmp_path):
+    from test_tokenizer import byte_tokenizer_without_chatml
+
+    plain = load_tokenizer(str(byte_tokenizer_without_chatml(tmp_path / "bytes")))
+    path = _write(tmp_path / "c.jsonl", CHATS[1:2])
+    with pytest.raises(ValueError, match=r"^config key 'model\.tokenizer': SFT renders chats with the tokenizer's chat "
+                                         r"template, and this tokenizer has none \(nor the ChatML special tokens "
+                                         r"<\|im_start\|>, <\|im_end\|>\); use a tokenizer with a chat template"):
+        build_sft_datasets(SftDataConfig(paths=[str(path)], seq_len=64), plain, seed=0)

@@ -79,6 +79,30 @@ def test_directory_round_trip_and_fallbacks(tok, tmp_path):
     assert plain.pad_token_id == plain.eos_token_id == 151643
 
 
+def byte_tokenizer_without_chatml(out_dir: Path) -> Path:
+    """A byte-level tokenizer whose only special token is `</s>`, without a chat template (as many base models')."""
+    from tokenizers import Tokenizer, decoders, models
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["</s>"])
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>").save_pretrained(out_dir)
+    return out_dir
+
+
+def test_chatml_only_for_a_tokenizer_that_has_its_tokens(tmp_path):
+    """Without <|im_start|> and <|im_end|> as tokens, ChatML would be trained as runs of bytes that never stop
+    generation: such a tokenizer keeps no template (SFT refuses it) instead of getting ChatML."""
+    plain = load_tokenizer(str(byte_tokenizer_without_chatml(tmp_path / "bytes")))
+    assert len(plain("<|im_end|>", add_special_tokens=False).input_ids) == 10
+    assert not plain.chat_template
+    assert plain.pad_token_id == plain.eos_token_id == 256  # still usable for CPT
+
+
 def test_missing_path(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope"):
         load_tokenizer(str(tmp_path / "nope"))

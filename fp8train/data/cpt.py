@@ -45,9 +45,14 @@ class PackedDataset(Dataset):
     """Rows of `seq_len` tokens, each a run of segments cut from one flat token stream.
 
     Row `i` is the concatenation of segments `row_ptr[i]:row_ptr[i + 1]`, right-padded with `pad_id`
-    (labels -100). `position_ids` restart at 0 at every segment when `document_masking` is set, so a
-    causal LM called without an attention mask attends only within a segment; otherwise they run
-    0..S-1. Items are dicts of 1-D int64 tensors: `input_ids`, `labels`, `position_ids`.
+    (labels -100). `position_ids` restart at 0 at every segment when `document_masking` is set; otherwise
+    they run 0..S-1. Items are dicts of 1-D int64 tensors: `input_ids`, `labels`, `position_ids`.
+
+    Restarting position_ids alone does not keep attention within a segment: transformers derives the
+    per-segment mask from them only when the model runs without a KV cache, and `config.use_cache` defaults
+    to True, so a model loaded as usual lets every token attend to the earlier segments of its row.
+    fp8train's trainer turns the cache off and passes the mask (`fp8train.train.attention.document_mask`);
+    other callers must call the model with `use_cache=False` or pass that mask.
     """
 
     def __init__(

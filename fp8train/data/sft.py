@@ -19,6 +19,7 @@ from transformers import PreTrainedTokenizerBase
 
 from .cpt import PackedDataset
 from .sources import HfDatasetConfig, iter_records, list_sources
+from .tokenizer import has_chatml_tokens
 
 __all__ = ["SftDataConfig", "SftStats", "build_sft_datasets", "read_sft_holdout"]
 
@@ -89,6 +90,9 @@ class SftStats:
     """Overlong samples cut to seq_len (train + val)."""
     num_skipped: int = 0
     """Samples dropped (train + val): overlong under overlong='skip', or no assistant token within seq_len."""
+    num_no_answer: int = 0
+    """Of `num_skipped`: samples that truncating to seq_len would leave with no assistant token (the prompt
+    alone is that long)."""
     num_train_tokens: int = 0
     """Tokens in the training rows, padding excluded."""
     num_train_label_tokens: int = 0
@@ -107,6 +111,8 @@ class SftStats:
 def _parse_record(record: dict, cfg: SftDataConfig, where: str, messages_field: str) -> list[dict[str, str]]:
     if messages_field in record:
         messages = record[messages_field]
+        if messages is None:
+            raise ValueError(f"{where}: {messages_field!r} is missing (null)")
         if not isinstance(messages, list) or not messages:
             raise ValueError(f"{where}: {messages_field!r} must be a non-empty list of messages")
         chat = []
@@ -118,8 +124,11 @@ def _parse_record(record: dict, cfg: SftDataConfig, where: str, messages_field: 
             chat.append({"role": m["role"], "content": m["content"]})
     elif cfg.prompt_field in record and cfg.response_field in record:
         prompt, response = record[cfg.prompt_field], record[cfg.response_field]
-        if not isinstance(prompt, str) or not isinstance(response, str):
-            raise ValueError(f"{where}: {cfg.prompt_field!r} and {cfg.response_field!r} must be strings")
+        for name, value in ((cfg.prompt_field, prompt), (cfg.response_field, response)):
+            if value is None:  # a null JSON value or an empty table cell
+                raise ValueError(f"{where}: {name!r} is missing (null)")
+            if not isinstance(value, str):
+                raise ValueError(f"{where}: {name!r} must be a string, got {type(value).__name__}")
         chat = [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
     else:
         raise ValueError(
@@ -224,6 +233,7 @@ def _tokenize(
         if len(ids) > seq_len:
             if overlong == "skip" or not inside[:seq_len].any():
                 stats.num_skipped += 1
+                stats.num_no_answer += overlong == "truncate"
                 continue
             stats.num_truncated += 1
             ids, labels = ids[:seq_len], labels[:seq_len]
@@ -265,8 +275,13 @@ def build_sft_datasets(
     """Read, template, label and pack SFT samples into (train, val, stats).
 
     The seed picks the validation samples and the order in which samples are packed. Each sample is a
-    segment of its own (position_ids restart at 0), so attention stays inside it.
+    segment of its own (position_ids restart at 0; `PackedDataset` says what keeps attention inside it).
     """
+    if not tokenizer.chat_template:  # load_tokenizer gives ChatML only to a tokenizer whose vocabulary has its tokens
+        nor = "" if has_chatml_tokens(tokenizer) else " (nor the ChatML special tokens <|im_start|>, <|im_end|>)"
+        raise ValueError(f"config key 'model.tokenizer': SFT renders chats with the tokenizer's chat template, and "
+                         f"this tokenizer has none{nor}; use a tokenizer with a chat template, e.g. the model's "
+                         "instruct tokenizer")
     samples = _read_samples(cfg)
     if cfg.holdout_last >= len(samples):
         raise ValueError(
@@ -286,11 +301,15 @@ def build_sft_datasets(
         raise ValueError("the tokenizer has neither a pad nor an EOS token to pad rows with")
 
     def split(indices: np.ndarray, name: str) -> tuple[PackedDataset, int]:
+        skipped, no_answer = stats.num_skipped, stats.num_no_answer
         encoded = _tokenize(tokenizer, [samples[k] for k in indices], cfg.seq_len, cfg.overlong, stats)
         if not encoded:
-            raise ValueError(
-                f"SFT {name} split: every sample was dropped as longer than seq_len={cfg.seq_len}"
-            )
+            no_answer = stats.num_no_answer - no_answer
+            too_long = stats.num_skipped - skipped - no_answer
+            why = [f"{too_long} longer than data.seq_len={cfg.seq_len} (data.overlong: skip)"] if too_long else []
+            why += [f"{no_answer} with no assistant token in their first data.seq_len={cfg.seq_len} tokens (the "
+                    "prompt alone is that long)"] if no_answer else []
+            raise ValueError(f"SFT {name} split: every sample was dropped: {', '.join(why)}")
         return _pack(encoded, cfg.seq_len, pad_id), len(encoded)
 
     train, stats.num_train = split(order[num_val:], "train")
@@ -300,8 +319,8 @@ def build_sft_datasets(
     stats.num_train_label_tokens = int((train.labels != -100).sum())
     if stats.num_truncated or stats.num_skipped:
         logger.warning(
-            "SFT: %d samples longer than seq_len=%d truncated, %d skipped",
-            stats.num_truncated, cfg.seq_len, stats.num_skipped,
+            "SFT: %d samples longer than seq_len=%d truncated, %d skipped (%d of them with no assistant token "
+            "within seq_len)", stats.num_truncated, cfg.seq_len, stats.num_skipped, stats.num_no_answer,
         )
     logger.info(
         "SFT data: %d train samples in %d rows (%.1f%% filled), %d val samples, %d held out",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,7 @@ __all__ = ["HfDatasetConfig", "Source", "iter_records", "list_sources", "source_
 
 _TABLE_KINDS = ("parquet", "arrow", "saved", "hf")
 _BATCH_ROWS = 1024
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 @dataclass
@@ -112,9 +114,17 @@ def _datasets():
     return datasets
 
 
+def _unreadable(src: Source, e: BaseException) -> ValueError:
+    """One line naming the source (with its config key) and the error `e`."""
+    what = f"{src.hf.describe()} could not be loaded" if src.hf else f"data.paths: {src.path}: not readable"
+    return ValueError(f"{what} ({type(e).__name__}: {' '.join(str(e).split())[:300]})")
+
+
 def _open_dataset(src: Source):
     """The memory-mapped `datasets.Dataset` of an Arrow file, a save_to_disk folder or data.hf_dataset."""
     datasets = _datasets()
+    from datasets.exceptions import DatasetsError  # what a dataset that fails to build raises; no ValueError
+
     try:
         if src.kind == "arrow":
             return datasets.Dataset.from_file(str(src.path))
@@ -122,9 +132,10 @@ def _open_dataset(src: Source):
             return datasets.load_from_disk(str(src.path))
         h = src.hf
         return datasets.load_dataset(h.name, h.config, split=h.split, cache_dir=h.cache_dir)
+    except DatasetsError as e:  # e.g. a malformed file of a local folder; its own message says only that it failed
+        raise _unreadable(src, e.__cause__ or e) from None
     except (OSError, ValueError, ConnectionError) as e:
-        what = f"{src.hf.describe()} could not be loaded" if src.hf else f"data.paths: {src.path}: not readable"
-        raise ValueError(f"{what} ({type(e).__name__}: {' '.join(str(e).split())[:300]})") from None
+        raise _unreadable(src, e) from None
 
 
 def _dataset_size(ds) -> int:
@@ -168,7 +179,21 @@ def _iter_jsonl(path: Path) -> Iterator[tuple[str, dict | None, int]]:
                 raise ValueError(f"{where}: malformed JSON (not UTF-8: {e.reason} at byte {e.start})") from None
             if not isinstance(record, dict):
                 raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
+            if b"\\ud" in raw or b"\\uD" in raw:  # only an escape can make a lone surrogate, which tokenizers refuse
+                record = _without_surrogates(record)
             yield where, record, len(raw)
+
+
+def _without_surrogates(value):
+    """`value` with every lone surrogate (a `\\ud800`-`\\udfff` escape json left unpaired) in its strings
+    replaced by U+FFFD, as a bad byte of a text file is."""
+    if isinstance(value, str):
+        return _LONE_SURROGATE.sub("\ufffd", value)
+    if isinstance(value, list):
+        return [_without_surrogates(v) for v in value]
+    if isinstance(value, dict):
+        return {_without_surrogates(k): _without_surrogates(v) for k, v in value.items()}
+    return value
 
 
 def iter_records(src: Source, columns: Callable[[list[str], str], list[str]]) -> Iterator[tuple[str, dict | None, int]]:
@@ -183,7 +208,10 @@ def iter_records(src: Source, columns: Callable[[list[str], str], list[str]]) ->
     if src.kind == "parquet":
         import pyarrow.parquet as pq
 
-        pf = pq.ParquetFile(src.path)
+        try:
+            pf = pq.ParquetFile(src.path)
+        except (OSError, ValueError) as e:  # pyarrow's message does not name the file
+            raise _unreadable(src, e) from None
         names, rows, size = pf.schema_arrow.names, pf.metadata.num_rows, src.path.stat().st_size
         picked = columns(names, str(src))
         batches = (b.to_pydict() for b in pf.iter_batches(columns=picked, batch_size=_BATCH_ROWS))

@@ -10,7 +10,7 @@ from tokenizers import AddedToken, normalizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 from transformers.convert_slow_tokenizer import TikTokenConverter
 
-__all__ = ["CHATML_TEMPLATE", "TOKENIZER_FILES", "has_tokenizer_files", "load_tokenizer"]
+__all__ = ["CHATML_TEMPLATE", "TOKENIZER_FILES", "has_chatml_tokens", "has_tokenizer_files", "load_tokenizer"]
 
 # Qwen2's pre-tokenizer: like cl100k's but digits split one by one.
 _QWEN_PATTERN = (
@@ -118,6 +118,12 @@ def _set_gguf_special_tokens(tokenizer: PreTrainedTokenizerFast, path: Path) -> 
                 setattr(tokenizer, attr, tokenizer.convert_ids_to_tokens(token_id))
 
 
+def has_chatml_tokens(tokenizer: PreTrainedTokenizerFast) -> bool:
+    """Whether `<|im_start|>` and `<|im_end|>` are each one token: else ChatML would train them as runs of
+    ordinary tokens, and `<|im_end|>` would never be a stop token."""
+    return all(len(tokenizer.encode(t, add_special_tokens=False)) == 1 for t in ("<|im_start|>", "<|im_end|>"))
+
+
 def has_tokenizer_files(path: Path) -> bool:
     """Whether the directory `path` holds a saved tokenizer."""
     return any((Path(path) / name).is_file() for name in _DEFINING)
@@ -149,7 +155,8 @@ def load_tokenizer(source: str | None = None) -> PreTrainedTokenizerFast:
             (no hub needed; about 3 s); a directory loads its tokenizer files; a `.gguf` file loads the
             tokenizer embedded in it.
 
-    A tokenizer without a chat template gets ChatML; one without a pad token pads with EOS.
+    A tokenizer without a chat template gets ChatML if its vocabulary has the ChatML tokens, else keeps none
+    (SFT then refuses it); one without a pad token pads with EOS.
     """
     if source is None or source.lower() in ("qwen2.5", "qwen2"):
         return _build_qwen_tokenizer()
@@ -161,6 +168,6 @@ def load_tokenizer(source: str | None = None) -> PreTrainedTokenizerFast:
         raise ValueError(f"{path}: the tokenizer has no EOS token, which separates packed documents")
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    if not tokenizer.chat_template:
+    if not tokenizer.chat_template and has_chatml_tokens(tokenizer):
         tokenizer.chat_template = CHATML_TEMPLATE
     return tokenizer

@@ -290,6 +290,13 @@ def test_sft_head_runs_on_the_rows_with_a_target_only(tmp_path, byte_tokenizer):
                 rows_seen.append((rows.numel(), batch["labels"].numel()))
         result = trainer.fit()
         runs[name] = [result.losses[s] for s in sorted(result.losses)] + [result.val_loss]
+    # the export stops generating at the chat template's end of turn as well as at the tokenizer's EOS
+    from transformers import GenerationConfig
+
+    tok = trainer.tokenizer
+    stop = GenerationConfig.from_pretrained(result.final_dir).eos_token_id
+    assert {tok.convert_tokens_to_ids("<|im_end|>"), tok.eos_token_id} <= set(stop), stop
+    assert tok.convert_tokens_to_ids("<|im_end|>") != tok.eos_token_id
     assert rows_seen and all(r * 2 <= n for r, n in rows_seen)  # the head runs on half the rows or fewer
     torch.testing.assert_close(torch.tensor(runs["chunked"], dtype=torch.float64),
                                torch.tensor(runs["hf"], dtype=torch.float64), rtol=GOLDEN_RTOL, atol=0)

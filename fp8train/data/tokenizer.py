@@ -10,7 +10,8 @@ from tokenizers import AddedToken, normalizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 from transformers.convert_slow_tokenizer import TikTokenConverter
 
-__all__ = ["CHATML_TEMPLATE", "TOKENIZER_FILES", "has_chatml_tokens", "has_tokenizer_files", "load_tokenizer"]
+__all__ = ["CHATML_TEMPLATE", "TOKENIZER_FILES", "end_of_turn_ids", "has_chatml_tokens", "has_tokenizer_files",
+           "load_tokenizer"]
 
 # Qwen2's pre-tokenizer: like cl100k's but digits split one by one.
 _QWEN_PATTERN = (
@@ -116,6 +117,20 @@ def _set_gguf_special_tokens(tokenizer: PreTrainedTokenizerFast, path: Path) -> 
             token_id = int(field.parts[field.data[0]][0])
             if 0 <= token_id < len(tokenizer):
                 setattr(tokenizer, attr, tokenizer.convert_ids_to_tokens(token_id))
+
+
+_END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|endoftext|>")  # ChatML, Llama 3, Phi, GPT / Qwen EOS
+
+
+def end_of_turn_ids(tokenizer) -> list[int]:
+    """The ids generation stops at: the tokenizer's EOS and the end-of-turn tokens of the common chat formats
+    that its vocabulary has as tokens (an SFT model ends its answers with the chat template's, e.g. `<|im_end|>`,
+    which is often not the EOS a base model's tokenizer names)."""
+    vocab = tokenizer.get_vocab()
+    ids = {vocab[t] for t in _END_OF_TURN if t in vocab}
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return sorted(ids)
 
 
 def has_chatml_tokens(tokenizer: PreTrainedTokenizerFast) -> bool:

@@ -12,8 +12,6 @@ __all__ = ["SamplingConfig", "Completion", "BACKENDS", "check_model_dir", "resol
            "render_prompts", "generate"]
 
 BACKENDS = ("auto", "hf", "vllm")
-# End-of-turn markers of common chat templates; generation stops at any that the vocabulary has.
-_END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|endoftext|>")
 
 
 @dataclass
@@ -109,11 +107,10 @@ def _stop_ids(tokenizer, model_dir: str) -> list[int]:
         gen_eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
     except OSError:  # no generation_config.json
         gen_eos = None
-    ids = set()
-    for src in (gen_eos, tokenizer.eos_token_id):
-        ids.update([src] if isinstance(src, int) else (src or []))
-    vocab = tokenizer.get_vocab()
-    ids.update(vocab[t] for t in _END_OF_TURN if t in vocab)
+    from ..data.tokenizer import end_of_turn_ids
+
+    ids = set(end_of_turn_ids(tokenizer))
+    ids.update([gen_eos] if isinstance(gen_eos, int) else (gen_eos or []))
     if not ids:
         raise ValueError(f"eval: {model_dir} defines no eos token; generation could never stop")
     return sorted(ids)

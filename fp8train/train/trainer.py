@@ -24,6 +24,7 @@ import yaml
 from torch import nn
 
 from ..data import GlobalBatchSampler, build_cpt_datasets, build_sft_datasets, collate, host_to_device, rank_slice
+from ..data.tokenizer import end_of_turn_ids
 from ..fp8.convert import cache_fp8_weights, convert_to_fp8, freeze_fp8_weights, hold_fp8_weights
 from ..fp8.health import track_fp8_health
 from ..fp8.gemm import load_deep_gemm
@@ -115,6 +116,18 @@ def _check_run_dir(run_dir: Path) -> None:
                                   "config.yaml, metrics.jsonl, checkpoints/ and final/, so pick another path")
 
 
+def _stop_at_end_of_turn(model: nn.Module, tokenizer) -> None:
+    """An SFT model ends its answers with the chat template's end-of-turn token (`<|im_end|>`), often not the EOS
+    of a base model's config: add it to the generation config its exports carry, so that `generate` and serving
+    engines stop there."""
+    gen = getattr(model, "generation_config", None)
+    if gen is None or tokenizer is None:
+        return
+    ids = set(end_of_turn_ids(tokenizer))
+    ids.update([gen.eos_token_id] if isinstance(gen.eos_token_id, int) else (gen.eos_token_id or []))
+    gen.eos_token_id = sorted(ids) if len(ids) > 1 else next(iter(ids), None)
+
+
 def _check_seq_len(cfg: TrainConfig, model: nn.Module) -> None:
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit is not None and cfg.data is not None and cfg.data.seq_len > limit:
@@ -160,6 +173,8 @@ class Trainer:
         self.train_data, self.val_data = train_data, val_data
         self.total_steps = self._total_steps()
 
+        if cfg.stage == "sft":
+            _stop_at_end_of_turn(self.model, self.tokenizer)
         self.model.to(self.device)
         if cfg.train.packed_attention == "flex" and self.device.type == "cuda":  # flex has no CPU backward
             use_packed_attention(self.model)

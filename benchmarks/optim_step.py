@@ -96,7 +96,8 @@ def main(argv: list[str] | None = None) -> None:
             # the projections' FP8 copies written by the step (twenty-seventh session), against quantizing W and
             # W.T from FP32 in the forward and the backward, what a step without them does
             e4m3 = Fp8Format.E4M3
-            projections = [p for name, p in model.named_parameters() if name.split(".")[-2] in DECODER_PROJECTIONS]
+            projections = [p for name, p in model.named_parameters()
+                           if p.dim() == 2 and name.split(".")[-2] in DECODER_PROJECTIONS]
             share = sum(p.numel() for p in projections) / n
             for w in projections:
                 opt.write_fp8_blocks(w, *quantize_blocks(w.detach(), e4m3, True, 16), pow2=True)

@@ -623,10 +623,13 @@ def test_held_weights_train_as_every_step_quantizing_does_on_cuda(mode):
 
     def build():
         torch.manual_seed(0)
-        m = torch.nn.Sequential(torch.nn.Linear(1536, 1000, bias=False), torch.nn.Linear(1000, 1536, bias=False),
+        m = torch.nn.Sequential(torch.nn.Linear(1536, 1040, bias=False), torch.nn.Linear(1040, 1536, bias=False),
                                 Qwen2MLP(Qwen2Config(hidden_size=1536, intermediate_size=8960, hidden_act="silu")))
         convert_to_fp8(m.cuda(), "hybrid", module_filter_fn=lambda mod, fqn: True)
         return m, TritonAdamW(m.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+
+    def same(a, b):  # bit for bit, any dtype (NaNs of the skipped step's gradients included)
+        return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
     x = torch.randn(2, 1000, 1536, device="cuda")
     g = torch.randn(2, 1000, 1536, device="cuda").bfloat16()
@@ -637,8 +640,8 @@ def test_held_weights_train_as_every_step_quantizing_does_on_cuda(mode):
         m, opt = build()
         fn = m if mode == "eager" else torch.compile(m, mode="reduce-overhead" if mode == "cudagraphs" else None)
         got = []
-        with hold_fp8_weights(m, opt) if hold else contextlib.nullcontext(4) as n:
-            assert n == 4
+        with hold_fp8_weights(m, opt) if hold else contextlib.nullcontext(5) as n:
+            assert n == 5
             for step in range(3):
                 xr = x.clone().requires_grad_()
                 with torch.autocast("cuda", torch.bfloat16):
@@ -654,13 +657,13 @@ def test_held_weights_train_as_every_step_quantizing_does_on_cuda(mode):
                     for lin in [mod for mod in m.modules() if isinstance(mod, FP8Linear)]:
                         plan = lin.plan(lin.weight)
                         want = ops.quantize_weight(lin.weight.detach(), plan.w, plan.pow2, False, plan.cublas)
-                        assert lin.held and torch.equal(_bits(lin._fp8_w), _bits(want[0])), f"step {step}"
+                        assert lin.held and same(lin._fp8_w, want[0]), f"step {step}"
                         assert torch.equal(lin._fp8_w_scale, want[1])
         assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
         runs.append(got)
     assert all(not lin.held for lin in m.modules() if isinstance(lin, FP8Linear))  # the context dropped them
     for step, (a, b) in enumerate(zip(*runs)):
-        assert all(torch.equal(_bits(u), _bits(v)) for u, v in zip(a, b)), f"step {step}"
+        assert all(same(u, v) for u, v in zip(a, b)), f"step {step}"
 
 
 def test_trainer_holds_fp8_weights_on_the_gpu(tmp_path, byte_tokenizer, corpus, capsys):

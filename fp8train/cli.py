@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import re
 import sys
 
@@ -42,6 +43,8 @@ def _run_train(args: argparse.Namespace) -> int:
     from .train.trainer import train
 
     result = train(cfg, progress=not args.no_progress)
+    if not result.is_main:  # under torchrun rank 0 alone reports
+        return 0
     last = result.losses.get(result.step)
     print(f"finished {cfg.run_dir}: step {result.step}"
           + (f", loss {last:.4f}" if last is not None else "")
@@ -193,7 +196,9 @@ def main(argv: list[str] | None = None) -> int:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # a "Writing model shards" bar per checkpoint would bury ours
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    # under torchrun (its RANK) the other ranks log warnings only: rank 0's INFO lines are every rank's
+    rank0 = os.environ.get("RANK", "0") in ("", "0")
+    logging.basicConfig(level=logging.INFO if rank0 else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     for handler in logging.getLogger().handlers:
         handler.addFilter(_no_hub_info)
     from .train.checkpoint import CorruptCheckpointError

@@ -24,13 +24,14 @@ def _losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
-def _run(args: list[str], nproc: int, tmp: Path, torchrun: bool | None = None) -> None:
+def _run(args: list[str], nproc: int, tmp: Path, torchrun: bool | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent.parent)}
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
                 "--master-port", str(29500 + os.getpid() % 1000)] if (torchrun or nproc > 1) else [sys.executable]
     cmd = [*launcher, "-m", "fp8train.cli", "train", "--no-progress", str(TINY_CONFIG), *args]
     proc = subprocess.run(cmd, env=env, cwd=tmp, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc
 
 
 def test_two_ranks_match_one_and_checkpoints_move_between_world_sizes(tmp_path, byte_tokenizer, corpus):
@@ -38,7 +39,9 @@ def test_two_ranks_match_one_and_checkpoints_move_between_world_sizes(tmp_path, 
              "distributed.backend": "gloo"}
     two = tiny_overrides(tmp_path / "two", byte_tokenizer, corpus, **extra)
     one = tiny_overrides(tmp_path / "one", byte_tokenizer, corpus, **extra)
-    _run(two, 2, tmp_path)
+    proc = _run(two, 2, tmp_path)
+    assert proc.stdout.count("finished ") == 1, proc.stdout  # rank 0 alone reports, and logs INFO lines
+    assert proc.stderr.count("INFO fp8train.data.cpt: CPT data:") == 1, proc.stderr[-3000:]
     _run(one, 1, tmp_path)
     l2, l1 = _losses(tmp_path / "two" / "run"), _losses(tmp_path / "one" / "run")
     assert sorted(l2) == sorted(l1) == list(range(1, 7))

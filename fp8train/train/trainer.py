@@ -66,6 +66,8 @@ class TrainResult:
     """Non-finite steps skipped over the whole run, resumed parts included."""
     final_dir: Path | None = None
     """The exported Hugging Face directory (rank 0)."""
+    is_main: bool = True
+    """Whether this process is rank 0, the one that reports (every rank returns a result under torchrun)."""
 
 
 @dataclass
@@ -410,7 +412,7 @@ class Trainer:
 
     def fit(self) -> TrainResult:
         """Train to `total_steps`, evaluating, logging and checkpointing on the way; export final/."""
-        result = TrainResult(self.run_dir, self.step)
+        result = TrainResult(self.run_dir, self.step, is_main=self.world.is_main)
         try:
             with self.fp8_weights():
                 self._train_loop(result)

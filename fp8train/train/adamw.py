@@ -98,6 +98,20 @@ def adamw_reference(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.
 
 if triton is not None:
     @triton.jit
+    def _update(p, g, m, v, grad_scale, decay, one_minus_beta1, beta2, one_minus_beta2, eps, step_size, bc2_sqrt,
+                HAS_GRAD_SCALE: tl.constexpr):
+        """One AdamW step of the values p, m, v with gradient g, as `adamw_reference` (each operation rounded once
+        when launched without fp fusion): the new (p, m, v)."""
+        if HAS_GRAD_SCALE:
+            g = tl.div_rn(g, grad_scale)
+        p = p * decay
+        m = m + (g - m) * one_minus_beta1
+        v = v * beta2 + (g * g) * one_minus_beta2
+        p = p - tl.div_rn(m, tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps) * step_size
+        return p, m, v
+
+
+    @triton.jit
     def _adamw_kernel(addr_ptr, hyper_ptr, chunk_ptr, grad_scale_ptr, found_inf_ptr,
                       decay, one_minus_beta1, beta2, one_minus_beta2, eps,
                       HAS_GRAD_SCALE: tl.constexpr, HAS_FOUND_INF: tl.constexpr, BLOCK: tl.constexpr,
@@ -116,6 +130,7 @@ if triton is not None:
         n = tl.load(row + 4)
         step_size = tl.load(hyper_ptr + 2 * t)
         bc2_sqrt = tl.load(hyper_ptr + 2 * t + 1)
+        grad_scale = 1.0  # (unused without the clip)
         if HAS_GRAD_SCALE:
             grad_scale = tl.load(grad_scale_ptr)
         if HAS_FOUND_INF:  # a skipped step: every load and store masked off, so nothing is read or written
@@ -128,12 +143,8 @@ if triton is not None:
             g = tl.load(g_ptr + offs, mask=mask)
             m = tl.load(m_ptr + offs, mask=mask)
             v = tl.load(v_ptr + offs, mask=mask)
-            if HAS_GRAD_SCALE:
-                g = tl.div_rn(g, grad_scale)
-            p = p * decay
-            m = m + (g - m) * one_minus_beta1
-            v = v * beta2 + (g * g) * one_minus_beta2
-            p = p - tl.div_rn(m, tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps) * step_size
+            p, m, v = _update(p, g, m, v, grad_scale, decay, one_minus_beta1, beta2, one_minus_beta2, eps, step_size,
+                              bc2_sqrt, HAS_GRAD_SCALE)
             tl.store(p_ptr + offs, p, mask=mask)
             tl.store(m_ptr + offs, m, mask=mask)
             tl.store(v_ptr + offs, v, mask=mask)
@@ -172,6 +183,7 @@ if triton is not None:
         ld_s = tl.load(fp8 + 5)
         step_size = tl.load(hyper_ptr + 2 * t)
         bc2_sqrt = tl.load(hyper_ptr + 2 * t + 1)
+        grad_scale = 1.0  # (unused without the clip)
         if HAS_GRAD_SCALE:
             grad_scale = tl.load(grad_scale_ptr)
         if HAS_FOUND_INF:  # a skipped step: every load and store masked off
@@ -197,12 +209,8 @@ if triton is not None:
             g = tl.load(g_ptr + offs, mask=mask, other=0.0)
             m = tl.load(m_ptr + offs, mask=mask, other=0.0)
             v = tl.load(v_ptr + offs, mask=mask, other=0.0)
-            if HAS_GRAD_SCALE:
-                g = tl.div_rn(g, grad_scale)
-            p = p * decay
-            m = m + (g - m) * one_minus_beta1
-            v = v * beta2 + (g * g) * one_minus_beta2
-            p = p - tl.div_rn(m, tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps) * step_size
+            p, m, v = _update(p, g, m, v, grad_scale, decay, one_minus_beta1, beta2, one_minus_beta2, eps, step_size,
+                              bc2_sqrt, HAS_GRAD_SCALE)
             tl.store(p_ptr + offs, p, mask=mask)
             tl.store(m_ptr + offs, m, mask=mask)
             tl.store(v_ptr + offs, v, mask=mask)

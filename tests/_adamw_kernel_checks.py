@@ -253,7 +253,15 @@ def _blocks_failures() -> list:
         opt.step()
         if not torch.equal(copies["whole"][0], kept):
             failures.append(f"pow2={pow2}: a copy let go was written")
+    stranger = torch.nn.Parameter(torch.randn(128, 128))  # a parameter the optimizer does not step
+    try:
+        adamw.TritonAdamW([torch.nn.Parameter(torch.randn(8))], **_HP).write_fp8_blocks(
+            stranger, torch.zeros(128, 128), torch.zeros(1, 1), pow2=True)
+        failures.append("a copy of a parameter the optimizer does not step was taken")
+    except ValueError:
+        pass
     for bad, data, scale in ((torch.nn.Parameter(torch.randn(64)), torch.zeros(64, 1), torch.zeros(1, 1)),
+                             (torch.nn.Parameter(torch.randn(128, 128)), torch.zeros(128, 128), None),
                              (torch.nn.Parameter(torch.randn(300, 200)), torch.zeros(300, 128), torch.zeros(3, 1)),
                              (torch.nn.Parameter(torch.randn(300, 200)), torch.zeros(300, 256), torch.zeros(2, 2))):
         try:

@@ -281,13 +281,24 @@ def test_training_stopped_by_an_exception_gives_the_frozen_base_back(setup, tmp_
     callback.release()  # again: nothing left to end
 
 
-def test_convert_for_training_turns_the_kv_cache_off(setup):
+def test_the_trainer_trains_without_a_kv_cache(setup, tmp_path):
     """Packed rows' document boundaries reach the attention only without a KV cache (transformers derives the
-    mask from position_ids then): a converted model's config says use_cache False."""
-    model = copy.deepcopy(setup[2])
+    mask from position_ids then): the Trainer turns `config.use_cache` off itself (`TrainingArguments.use_cache`,
+    False by default), which docs/integrations.md relies on."""
+    seen = []
+
+    class Look(TrainerCallback):
+        def on_step_begin(self, args, state, control, model=None, **kwargs):
+            seen.append(model.config.use_cache)
+
+    model = _converted(setup)
     model.config.use_cache = True
-    convert_for_training(model)
-    assert model.config.use_cache is False
+    trainer = Trainer(model=model, args=_args(output_dir=str(tmp_path), max_steps=2), train_dataset=setup[3],
+                      data_collator=collate)
+    trainer.add_callback(FP8TrainerCallback(trainer))
+    trainer.add_callback(Look())
+    trainer.train()
+    assert seen == [False, False]
 
 
 def test_convert_for_training_refuses_a_peft_model_and_warns_on_bf16_weights(setup, caplog):

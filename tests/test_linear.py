@@ -288,10 +288,17 @@ def test_held_weight_is_the_copy_the_optimizer_writes(pow2, monkeypatch):
 
 
 def test_weight_not_held_where_the_optimizer_cannot_write_it():
-    """Held copies are 128x128 blocks of a weight that trains: a frozen weight (`freeze_weight` keeps those),
-    tensor-wise and row-wise scales are not held (None), and the layer goes on quantizing its weight."""
+    """Held copies are E4M3 128x128 blocks of a weight that trains: a frozen weight (`freeze_weight` keeps those),
+    tensor-wise and row-wise scales and E5M2 blocks are not held (None), and the layer goes on quantizing its
+    weight."""
+    from dataclasses import replace
+
+    from fp8train.fp8.recipe import BLOCK, TILE, Fp8Format, GemmConfig, OperandConfig
+
     for recipe in ("tensorwise", "rowwise"):
         assert _setup(recipe)[1].hold_weight(True) is None
+    e5 = GemmConfig(OperandConfig(Fp8Format.E4M3, TILE), OperandConfig(Fp8Format.E5M2, BLOCK))
+    assert _setup(replace(make_recipe("hybrid"), output=e5, grad_input=e5))[1].hold_weight(True) is None
     _, m, _, _ = _setup("hybrid")
     m.weight.requires_grad_(False)
     assert m.hold_weight(True) is None and not m.held
@@ -299,27 +306,36 @@ def test_weight_not_held_where_the_optimizer_cannot_write_it():
 
 
 def test_hold_fp8_weights_hands_each_copy_to_the_optimizer():
-    """`hold_fp8_weights(model, optimizer)`: every FP8Linear weight that trains hands its copy to the optimizer's
-    `write_fp8_blocks` (with its recipe's scale kind), and takes it back on exit; an optimizer that cannot write
-    copies is refused in one line."""
+    """`hold_fp8_weights(model, optimizer)`: every FP8Linear weight that trains and that the optimizer steps hands
+    its copy to the optimizer's `write_fp8_blocks` (with its recipe's scale kind), and takes it back on exit. A
+    weight the optimizer does not step (another optimizer's) is not held, nor is a weight a second time (shared by
+    two layers: the second would read a copy nobody writes); an optimizer that cannot write copies is refused in
+    one line."""
     from fp8train import hold_fp8_weights
 
     class Recorder:
-        def __init__(self):
+        def __init__(self, params):
+            self.param_groups = [{"params": list(params)}]
             self.calls = []
 
         def write_fp8_blocks(self, param, data, scale, *, pow2):
             self.calls.append((param, data, scale, pow2))
 
-    model = torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.Linear(256, 128), torch.nn.Linear(128, 128))
+    model = torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.Linear(256, 128), torch.nn.Linear(128, 128),
+                                torch.nn.Linear(128, 128), torch.nn.Linear(128, 128))
     convert_to_fp8(model, "hybrid", module_filter_fn=lambda mod, fqn: fqn != "2")
     model[1].weight.requires_grad_(False)
-    opt = Recorder()
+    model[4].weight = model[3].weight  # tied
+    opt = Recorder(p for i, m in enumerate(model) if i != 0 for p in m.parameters())  # all but layer 0's
+    opt.param_groups[0]["params"].insert(0, model[0].weight)
+    other = Recorder([model[0].bias])
     with hold_fp8_weights(model, opt) as n:
-        assert n == 1 and model[0].held and not model[1].held
-        (param, data, scale, pow2), = opt.calls
+        assert n == 2 and model[0].held and not model[1].held and model[3].held and not model[4].held
+        (param, data, scale, pow2), _ = opt.calls
         assert param is model[0].weight and data.shape == (256, 128) and scale.shape == (2, 1) and pow2
-    assert not model[0].held and opt.calls[1][0] is model[0].weight and opt.calls[1][1] is None
+    assert not model[0].held and [c[1] for c in opt.calls[2:]] == [None, None]
+    with hold_fp8_weights(model, other) as n:  # steps none of the weights
+        assert n == 0 and not other.calls
     with pytest.raises(TypeError, match="cannot write FP8 weights"):
         with hold_fp8_weights(model, torch.optim.AdamW(model.parameters())):
             pass

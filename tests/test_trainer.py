@@ -522,13 +522,14 @@ def test_hold_fp8_weights_config_key(tmp_path, byte_tokenizer, corpus, capsys):
         capsys.readouterr().out
 
     class Writer:  # stands in for TritonAdamW, which needs Triton and CUDA
-        def __init__(self):
+        def __init__(self, param_groups):
+            self.param_groups = param_groups
             self.copies = {}
 
         def write_fp8_blocks(self, param, data, scale, *, pow2):
             self.copies[param] = data
 
-    trainer.optimizer = writer = Writer()
+    trainer.optimizer = writer = Writer(trainer.optimizer.param_groups)
     with trainer.fp8_weights():
         assert all(m.held for m in fp8) and len([d for d in writer.copies.values() if d is not None]) == 14
     assert "hold_fp8_weights: 14 layers hold their FP8 weights, written by the optimizer" in capsys.readouterr().out

@@ -180,15 +180,20 @@ def hold_fp8_weights(model: nn.Module, optimizer) -> Iterator[int]:
     (a `TritonAdamW`) as its step updates the weight: no forward or backward quantizes a weight, for 1 byte
     per parameter held. Yields how many layers hold one; on exit the copies go.
 
-    Inside it, only that optimizer's `step` may change the weights (a load into them: exit first). The
-    optimizer must step each held weight as a whole tensor (not under FSDP: its layers hold none)."""
+    Inside it, only that optimizer's `step` may change the weights (a load into them, a `.to()`: exit first). A
+    layer holds a copy only where the optimizer steps its weight, as a whole tensor (not under FSDP: its layers
+    hold none), and a weight shared by several layers is held by the first."""
     if not callable(getattr(optimizer, "write_fp8_blocks", None)):
         raise TypeError(f"hold_fp8_weights: {type(optimizer).__name__} cannot write FP8 weights; "
                         "fp8train.train.adamw.TritonAdamW can")
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
     held = []
     try:
         for m in model.modules():
-            copy = m.hold_weight(True) if isinstance(m, FP8Linear) else None
+            if not isinstance(m, FP8Linear) or id(m.weight) not in stepped:
+                continue
+            stepped.discard(id(m.weight))  # one copy per weight, which the optimizer writes
+            copy = m.hold_weight(True)
             if copy is not None:
                 held.append(m)
                 optimizer.write_fp8_blocks(m.weight, *copy, pow2=m.recipe.pow2_scale)

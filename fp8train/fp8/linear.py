@@ -28,7 +28,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from . import ops
 from .health import health_dict, operand_health_stats
 from .operands import LinearPlan
-from .recipe import Fp8Recipe, make_recipe
+from .recipe import Fp8Format, Fp8Recipe, make_recipe
 
 __all__ = ["FP8Linear", "output_dtype", "runs_on_cublas"]
 
@@ -175,7 +175,7 @@ class FP8Linear(nn.Linear):
         optimizer's step does (`TritonAdamW.write_fp8_blocks`, set up by `fp8train.hold_fp8_weights`). Returns
         the copy's (data, scale) (E4M3 in 128x128 blocks, row-major scales) to hand to it, or None where the layer
         cannot hold one: a weight that does not train (`freeze_weight` keeps those), a recipe whose weight operand
-        is not in 128x128 blocks, FSDP (it refills the weight). False drops the copy."""
+        is not E4M3 in 128x128 blocks, FSDP (it refills the weight). False drops the copy."""
         if not enabled:
             if self.held:
                 self._drop_fp8_weight()
@@ -184,7 +184,8 @@ class FP8Linear(nn.Linear):
             return self._fp8_w, self._fp8_w_scale
         plan = self.plan(self.weight) if self.recipe.enabled else None
         if (plan is None or self.frozen or not self.weight.requires_grad or self._weight_refilled
-                or not ops.weight_transposes(plan) or plan.w.block != (128, 128) or self.weight.dim() != 2):
+                or not ops.weight_transposes(plan) or plan.w.block != (128, 128) or plan.w.fmt is not Fp8Format.E4M3
+                or self.weight.dim() != 2):
             return None
         self._keep_fp8_weight(plan, trains=True)
         return self._fp8_w, self._fp8_w_scale
@@ -248,7 +249,7 @@ class FP8Linear(nn.Linear):
         """W's operand for `plan` where one is made already: the frozen or held copy, FSDP's FP8 all-gather or
         the step's cache (made here on first use); (None, None): the GEMM's op quantizes the weight itself."""
         if self._fp8_plan is not None:
-            if self._fp8_plan != plan.key:
+            if self._fp8_plan != plan.key or (self.held and self._fp8_w.device != self.weight.device):
                 how = "hold_weight" if self.held else "freeze_weight"
                 raise RuntimeError(f"FP8Linear: the weight's FP8 copy was made for plan {self._fp8_plan}, this forward "
                                    f"runs {plan.key} (moved to another device?): {how}(False), then again")

@@ -25,8 +25,8 @@ What the Trainer's options need with converted layers (each tested on a CPU in t
   anything can merge adapters into them: also when training stops with an exception (a Ctrl-C in a notebook),
   where the Trainer calls no `on_train_end` (the callback wraps `trainer.train`; `release()` does it by hand).
 - packed rows (`position_ids` restarting at each document, as `fp8train.build_sft_datasets` makes them):
-  transformers derives each document's attention mask from them only when the forward uses no KV cache, so
-  `convert_for_training` sets `config.use_cache = False` (training needs none; `generate` still caches).
+  transformers derives each document's attention mask from them only when the forward uses no KV cache; the
+  Trainer turns the model's cache off itself (`TrainingArguments.use_cache`, False by default): keep it off.
 """
 
 from __future__ import annotations
@@ -54,14 +54,11 @@ def convert_for_training(model: nn.Module, recipe: str = "hybrid", *, pow2_scale
                          module_filter_fn=None) -> ConversionReport:
     """Swap the decoder projections of a transformers causal LM for FP8Linear, in place, before the Trainer
     (and PEFT) see it; returns `convert_to_fp8`'s report. Parameters keep their names and objects, so
-    `save_pretrained` writes a plain checkpoint. Sets `config.use_cache = False`: with a cache in use
-    transformers ignores packed rows' document boundaries (module docstring)."""
+    `save_pretrained` writes a plain checkpoint."""
     if hasattr(model, "peft_config"):
         raise ValueError("convert_for_training: the model is already wrapped by PEFT; convert it first, then wrap "
                          "it (get_peft_model or SFTTrainer(peft_config=...)), so that LoRA's base layers are FP8")
     report = convert_to_fp8(model, make_recipe(recipe, pow2_scale=pow2_scale), module_filter_fn)
-    if getattr(model, "config", None) is not None:
-        model.config.use_cache = False
     low = sorted({str(m.weight.dtype) for m in model.modules() if isinstance(m, FP8Linear)} - {"torch.float32"})
     if low:
         log.warning("fp8train: the converted layers' weights are %s, not float32: the optimizer then updates "

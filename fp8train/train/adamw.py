@@ -295,6 +295,11 @@ class TritonAdamW(torch.optim.AdamW):
         if data is None:
             self._fp8.pop(param, None)
             return
+        if not any(param is p for group in self.param_groups for p in group["params"]):
+            raise ValueError("TritonAdamW.write_fp8_blocks: the parameter is not one this optimizer steps; its copy "
+                             "would never be written")
+        if scale is None:
+            raise ValueError("TritonAdamW.write_fp8_blocks: data without its scales")
         n, k = param.shape if param.dim() == 2 else (0, 0)
         if param.dim() != 2 or hasattr(param, "to_local") or not param.is_contiguous():
             raise ValueError("TritonAdamW.write_fp8_blocks: the parameter must be a whole contiguous 2-D tensor (not "

@@ -241,6 +241,14 @@ def test_bad_inputs(tok, corpus, tmp_path):
     with pytest.raises(ValueError, match=rf"^data\.paths: {tmp_path / 'junk.parquet'}: not readable \(ArrowInvalid: "
                                          "Parquet magic bytes not found"):
         build_cpt_datasets(CptDataConfig(paths=[str(tmp_path / "junk.parquet")], cache_dir=cache), tok, 0)
+    # a page damaged past a sound footer: found while reading the rows, and named all the same
+    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+    pq.write_table(pa.table({"text": [f"row {i} " * 20 for i in range(300)]}), tmp_path / "torn.parquet")
+    torn = bytearray((tmp_path / "torn.parquet").read_bytes())
+    torn[4:60] = b"\xff" * 56  # the first page's header
+    (tmp_path / "torn.parquet").write_bytes(bytes(torn))
+    with pytest.raises(ValueError, match=rf"^data\.paths: {tmp_path / 'torn.parquet'}: not readable \(OSError: "):
+        build_cpt_datasets(CptDataConfig(paths=[str(tmp_path / "torn.parquet")], cache_dir=cache), tok, 0)
     with pytest.raises(ValueError, match="val_fraction"):
         CptDataConfig(paths=["x"], val_fraction=1.0)
     with pytest.raises(ValueError, match="paths is empty"):

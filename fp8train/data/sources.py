@@ -196,6 +196,15 @@ def _without_surrogates(value):
     return value
 
 
+def _parquet_batches(src: Source, pf, picked: list[str]) -> Iterator[dict]:
+    """The parquet file's rows in column batches; a page damaged past the footer is one line naming the file."""
+    try:
+        for batch in pf.iter_batches(columns=picked, batch_size=_BATCH_ROWS):
+            yield batch.to_pydict()
+    except (OSError, ValueError) as e:  # pyarrow's message does not name the file
+        raise _unreadable(src, e) from None
+
+
 def iter_records(src: Source, columns: Callable[[list[str], str], list[str]]) -> Iterator[tuple[str, dict | None, int]]:
     """(where, record, bytes) for every record of a JSONL or table source; `where` is file:line or
     `<source> row N`, a blank JSONL line gives None. For tables, `columns(names, where)` picks the columns
@@ -214,7 +223,7 @@ def iter_records(src: Source, columns: Callable[[list[str], str], list[str]]) ->
             raise _unreadable(src, e) from None
         names, rows, size = pf.schema_arrow.names, pf.metadata.num_rows, src.path.stat().st_size
         picked = columns(names, str(src))
-        batches = (b.to_pydict() for b in pf.iter_batches(columns=picked, batch_size=_BATCH_ROWS))
+        batches = _parquet_batches(src, pf, picked)
     else:
         ds = _open_dataset(src)
         names, rows, size = list(ds.column_names), len(ds), _dataset_size(ds)

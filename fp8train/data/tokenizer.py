@@ -122,12 +122,14 @@ def _set_gguf_special_tokens(tokenizer: PreTrainedTokenizerFast, path: Path) -> 
 _END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|endoftext|>")  # ChatML, Llama 3, Phi, GPT / Qwen EOS
 
 
-def end_of_turn_ids(tokenizer) -> list[int]:
-    """The ids generation stops at: the tokenizer's EOS and the end-of-turn tokens of the common chat formats
-    that its vocabulary has as tokens (an SFT model ends its answers with the chat template's, e.g. `<|im_end|>`,
-    which is often not the EOS a base model's tokenizer names)."""
+def end_of_turn_ids(tokenizer, also: int | list[int] | None = None) -> list[int]:
+    """The ids generation stops at: the tokenizer's EOS, the end-of-turn tokens of the common chat formats that
+    its vocabulary has as tokens (an SFT model ends its answers with the chat template's, e.g. `<|im_end|>`,
+    which is often not the EOS a base model's tokenizer names), and `also` (a generation config's
+    `eos_token_id`: an id, a list of them or None)."""
     vocab = tokenizer.get_vocab()
     ids = {vocab[t] for t in _END_OF_TURN if t in vocab}
+    ids.update([also] if isinstance(also, int) else (also or []))
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return sorted(ids)

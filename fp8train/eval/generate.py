@@ -109,11 +109,10 @@ def _stop_ids(tokenizer, model_dir: str) -> list[int]:
         gen_eos = None
     from ..data.tokenizer import end_of_turn_ids
 
-    ids = set(end_of_turn_ids(tokenizer))
-    ids.update([gen_eos] if isinstance(gen_eos, int) else (gen_eos or []))
+    ids = end_of_turn_ids(tokenizer, also=gen_eos)
     if not ids:
         raise ValueError(f"eval: {model_dir} defines no eos token; generation could never stop")
-    return sorted(ids)
+    return ids
 
 
 def _generate_hf(model_dir: str, tokenizer, prompts: list[str], cfg: SamplingConfig, add_special: bool,

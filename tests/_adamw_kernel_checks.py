@@ -204,10 +204,10 @@ def _blocks_failures() -> list:
     the copy included), one after the gradient norm (its tables taken over): parameters and moments equal
     `adamw_reference`, the copies (FP32 data: the values before the FP8 cast, which the interpreter does its own
     way) and their scales the reference quantization of the updated weights, bit for bit, with power-of-two and
-    exact scales. A copy let go is no longer written; a copy of the wrong shape or a 1-D parameter is refused."""
+    exact scales, and with another launch shape (8 rows an iteration). A copy let go is no longer written; a copy of the wrong shape or a 1-D parameter is refused."""
     failures = []
     g = torch.Generator().manual_seed(7)
-    for pow2 in (True, False):
+    for pow2, launch in ((True, adamw._BLOCKS_LAUNCH), (False, adamw._BLOCKS_LAUNCH), (True, (8, 8))):
         shapes = {"flat": (77,), "ragged": (300, 200), "whole": (256, 128), "wide": (130, 384)}
         params = {k: torch.nn.Parameter(torch.randn(v, generator=g) * torch.logspace(-3, 2, v[-1]))
                   for k, v in shapes.items()}
@@ -215,7 +215,8 @@ def _blocks_failures() -> list:
         copies = {k: (torch.zeros(shapes[k][0], c), torch.zeros(-(-shapes[k][0] // 128), -(-c // 128)))
                   for k, c in data_cols.items()}
         opt = adamw.TritonAdamW([{"params": [params["flat"], params["ragged"], params["whole"]], "weight_decay": 0.1},
-                                 {"params": [params["wide"]], "weight_decay": 0.0}], **_HP)
+                                 {"params": [params["wide"]], "weight_decay": 0.0}], **_HP,
+                                blocks_launch=launch)
         for k, (data, scale) in copies.items():
             opt.write_fp8_blocks(params[k], data, scale, pow2=pow2)
         ref = {k: p.detach().clone() for k, p in params.items()}
@@ -233,7 +234,7 @@ def _blocks_failures() -> list:
             del opt.grad_scale, opt.found_inf
             if skip:
                 if not all(torch.equal(a, b) for a, b in zip(before, (t for d in copies.values() for t in d))):
-                    failures.append(f"pow2={pow2} step {step}: a skipped step wrote an FP8 copy")
+                    failures.append(f"pow2={pow2} {launch} step {step}: a skipped step wrote an FP8 copy")
                 continue
             for k, p in params.items():
                 counts[k] += 1
@@ -242,17 +243,17 @@ def _blocks_failures() -> list:
                                                                                     _HP["eps"], counts[k]), scale)
                 if not (torch.equal(_bits(p), _bits(ref[k])) and torch.equal(_bits(opt.state[p]["exp_avg_sq"]),
                                                                              _bits(moments[k][1]))):
-                    failures.append(f"pow2={pow2} step {step} {k}: not the reference's step")
+                    failures.append(f"pow2={pow2} {launch} step {step} {k}: not the reference's step")
                 if k in copies:
                     want, want_scale = _pre_conversion(ref[k], pow2, data_cols[k])
                     if not (torch.equal(_bits(copies[k][0]), _bits(want)) and torch.equal(copies[k][1], want_scale)):
-                        failures.append(f"pow2={pow2} step {step} {k}: the FP8 copy is not the updated weight's")
+                        failures.append(f"pow2={pow2} {launch} step {step} {k}: the FP8 copy is not the updated weight's")
         opt.write_fp8_blocks(params["whole"], None, None, pow2=pow2)
         kept = copies["whole"][0].clone()
         params["whole"].grad = torch.randn(shapes["whole"], generator=g)
         opt.step()
         if not torch.equal(copies["whole"][0], kept):
-            failures.append(f"pow2={pow2}: a copy let go was written")
+            failures.append(f"pow2={pow2} {launch}: a copy let go was written")
     stranger = torch.nn.Parameter(torch.randn(128, 128))  # a parameter the optimizer does not step
     try:
         adamw.TritonAdamW([torch.nn.Parameter(torch.randn(8))], **_HP).write_fp8_blocks(
@@ -369,9 +370,9 @@ def compile_sm90() -> dict:
                       one_minus_beta2="fp32", eps="fp32")
     for pow2 in (True, False):
         consts = dict(HAS_GRAD_SCALE=True, HAS_FOUND_INF=True, POW2=pow2, FP32_DATA=False, SIDE=adamw._SIDE,
-                      ROWS=adamw._SUB_ROWS)
+                      ROWS=adamw._BLOCKS_LAUNCH[0])
         out[f"fp8 blocks pow2={pow2}"] = resources(adamw._adamw_blocks_kernel, blocks_sig, consts,
-                                                   enable_fp_fusion=False)
+                                                   enable_fp_fusion=False, num_warps=adamw._BLOCKS_LAUNCH[1])
     return out
 
 

@@ -42,6 +42,16 @@ def _pre_conversion(x2d, fmt, pow2):
     return (p * reciprocal(s)[..., None]).view(R, -1)[:, :C], s
 
 
+def _block_pre_conversion(x2d, fmt, pow2, pad):
+    """Reference FP32 values and scales of x2d [R, C] in 128x128 blocks, its columns zero-padded to a multiple
+    of `pad`: data [R, Cp], scales [ceil(R/128), Cp/128] (padding blocks: zeros, scale 1)."""
+    R, C = x2d.shape
+    rb, cp = -(-R // 128), pad * -(-C // pad)
+    blocks = torch.nn.functional.pad(x2d.float(), (0, cp - C, 0, rb * 128 - R)).view(rb, 128, cp // 128, 128)
+    s = compute_scale(blocks.abs().amax(dim=(1, 3)), fmt, pow2)
+    return (blocks * reciprocal(s)[:, None, :, None]).reshape(rb * 128, cp)[:R], s
+
+
 def _within_range(q, fmt) -> bool:
     """Finite pre-conversion values round to at most +-fmt.max (the clamp is a no-op after conversion)."""
     finite = q[torch.isfinite(q)].abs()
@@ -92,6 +102,14 @@ def interpret() -> dict:
                         ok &= qc is None and sc is None
                     if not ok:
                         failures.append(f"activation {name} {f} pow2={pow2} cols={cols}")
+                if f == "e4m3":  # input.T in 128x128 blocks (`wgrad_blocks`): one scale a tile, rows as before
+                    qr, sr, qc, sc = tq.quantize_tiles_and_transpose(x, fake, fake, pow2, 512, col_blocks=True)
+                    bq, bs = _block_pre_conversion(x.t(), fmt, pow2, 512)
+                    ok = torch.equal(_bits(qr[:, :K]), _bits(rr)) and torch.equal(_bits(sr[:, :rs.shape[1]]), _bits(rs))
+                    ok &= torch.equal(_bits(qc), _bits(bq)) and torch.equal(_bits(sc.t()), _bits(bs))
+                    ok &= _within_range(bq, fmt)
+                    if not ok:
+                        failures.append(f"activation {name} pow2={pow2} cols in blocks")
                 # input.T alone (`input_t_in_backward`): the same cols copy, no rows
                 qr, sr, qc, sc = tq.quantize_tiles_and_transpose(x, fake, fake, pow2, 512, rows=False)
                 ok = torch.equal(_bits(qc[:, :M]), _bits(cr)) and torch.equal(_bits(sc[:, :cs.shape[1]]), _bits(cs))
@@ -266,8 +284,8 @@ def _producer_failures() -> list:
         # the torch ops that torch.compile traces (triton ops, their own schemas: a clash with ops.py's custom
         # op names once replaced them) compute the same bytes
         e4m3 = torch.float8_e4m3fn
-        as_ops = (*tq.quantize_swiglu_op(g, u, e4m3, e4m3, pow2, 512, True, True),
-                  *tq.quantize_swiglu_grads_op(dh, g, u, e4m3, e4m3, pow2, 512, True))
+        as_ops = (*tq.quantize_swiglu_op(g, u, e4m3, e4m3, pow2, 512, True, True, False),
+                  *tq.quantize_swiglu_grads_op(dh, g, u, e4m3, e4m3, pow2, 512, True, False))
         direct = (*tq.quantize_swiglu(g, u, fmt, fmt, pow2, 512),
                   *tq.quantize_swiglu_grads(dh, g, u, fmt, fmt, pow2, 512))
         same = all(torch.equal(_bits(a.float()), _bits(b.float())) for a, b in zip(as_ops, direct))
@@ -309,13 +327,17 @@ def compile_sm90() -> dict:
         launches = [(name, producer, True, cols) for cols in (True, False) for name, producer in
                     (("activation", 0), ("swiglu h", 1), ("swiglu dg", 2), ("swiglu du", 3))]
         launches += [("activation x.T", 0, False, True), ("swiglu h.T", 1, False, True)]
+        # input.T in 128x128 blocks (`wgrad_blocks`), both ways it is made
+        launches += [(f"{name} col blocks", producer, rows, True) for name, producer, rows in
+                     (("activation", 0, True), ("swiglu h", 1, True), ("activation x.T", 0, False),
+                      ("swiglu h.T", 1, False))]
         # FP32 inputs too: under autocast with FP32 weights the norms' outputs (q/k/v's, gate/up's inputs) are FP32
         launches += [(f"activation fp32{t}", 0, rows, cols) for t, rows, cols in
                      (("", True, True), ("", True, False), (".T", False, True))]
         for name, producer, rows, cols in launches:
             bf16 = "fp32" not in name
             consts = dict(ROW_MAX=448.0, COL_MAX=448.0, POW2=pow2, ROWS=rows, COLS=cols, BF16=bf16, BLOCK=128,
-                          PRODUCER=producer)
+                          PRODUCER=producer, COL_BLOCKS="col blocks" in name)
             # the pointers a launch does not use are None, as `_quantize_tiles` passes them
             unused = {"y_ptr": producer == 0, "z_ptr": producer != 2, "qc_ptr": not cols, "sc_ptr": not cols,
                       "qr_ptr": not rows, "sr_ptr": not rows}
@@ -356,15 +378,17 @@ def mutation_analysis() -> dict:
     fp8 = torch.float8_e4m3fn
     out = {}
     for producer, others in ((0, ()), (1, (y,)), (2, (y, z)), (3, (y,))):
-        for rows, cols in ((True, True), (True, False), (False, True)):
+        for rows, cols, blocks in ((True, True, False), (True, False, False), (False, True, False), (True, True, True),
+                                   (False, True, True)):
             y_, z_ = (*others, None, None)[:2]
             kw = dict(x_ptr=x, M=M, K=K, stride_xm=K, qr_ptr=torch.empty(M, K, dtype=fp8) if rows else None,
                       sr_ptr=torch.empty(K // 128, M) if rows else None, Kp=K,
                       qc_ptr=torch.empty(K, M, dtype=fp8) if cols else None,
-                      sc_ptr=torch.empty(M // 128, K) if cols else None, Mp=M, y_ptr=y_, z_ptr=z_,
-                      ROW_MAX=448.0, COL_MAX=448.0, POW2=True, ROWS=rows, COLS=cols, BF16=True, BLOCK=128,
-                      PRODUCER=producer)
-            out[f"activation producer={producer} rows={rows} cols={cols}"] = accessed(tq._act_kernel, kw)
+                      sc_ptr=(torch.empty(K // 128, M // 128) if blocks else torch.empty(M // 128, K)) if cols else None,
+                      Mp=M, y_ptr=y_, z_ptr=z_, ROW_MAX=448.0, COL_MAX=448.0, POW2=True, ROWS=rows, COLS=cols,
+                      BF16=True, BLOCK=128, PRODUCER=producer, COL_BLOCKS=blocks)
+            out[f"activation producer={producer} rows={rows} cols={cols}{' col blocks' if blocks else ''}"] = \
+                accessed(tq._act_kernel, kw)
     w = torch.randn(M, K)
     for transpose in (False, True):
         kw = dict(w_ptr=w, N=M, K=K, stride_wn=K, q_ptr=torch.empty(M, K, dtype=fp8), ld_q=K,

@@ -7,13 +7,14 @@ GEMMs must match the CPU emulation up to FP32 summation order and the BF16 outpu
 import contextlib
 import json
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 
 from fp8train import FP8Linear, compile_options, convert_to_fp8, make_recipe, quantize
 from fp8train.fp8.operands import LinearPlan
-from fp8train.fp8.recipe import Fp8Format
+from fp8train.fp8.recipe import Fp8Format, parse_recipe
 from test_trainer import byte_tokenizer, corpus  # noqa: F401  (fixtures)
 
 cuda_sm90 = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
@@ -70,6 +71,13 @@ def test_activation_kernel_bitwise(shape, dtype, pow2, fmt):
     for warps in (4, 16):  # the launch config must not change a bit
         got = _triton_quant.quantize_tiles_and_transpose(x.cuda(), fmt, fmt, pow2, 512, num_warps=warps)
         assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(got, (qr, sr, qc, sc)))
+    if fmt is Fp8Format.E4M3:  # input.T in 128x128 blocks (`wgrad_blocks`): rows as before, cols as the reference's
+        from fp8train.fp8.operands import OperandSpec, quantize_operand
+
+        qr2, sr2, qc2, sc2 = _triton_quant.quantize_tiles_and_transpose(x.cuda(), fmt, fmt, pow2, 512, col_blocks=True)
+        want, want_scale = quantize_operand(x.t(), OperandSpec(fmt, (128, 128), 512), pow2)
+        assert torch.equal(_bits(qr2), _bits(qr)) and torch.equal(_bits(sr2), _bits(sr))
+        assert torch.equal(_bits(qc2.cpu()), _bits(want)) and torch.equal(_bits(sc2.t().cpu()), _bits(want_scale))
 
 
 @pytest.mark.parametrize("shape", [(1536, 8960), (384, 200), (3584, 3584)])
@@ -101,9 +109,10 @@ def test_kernel_nonfinite_matches_reference():
     assert torch.isnan(sr[0, 0]) and torch.isinf(sr[130, 0])
 
 
-@pytest.mark.parametrize("recipe", ["hybrid", "tensorwise", "rowwise"])
+@pytest.mark.parametrize("recipe", ["hybrid", "tensorwise", "rowwise", "hybrid+wgrad_blocks"])
 @pytest.mark.parametrize("shape", [(4, 512, 1536, 1536), (2, 1000, 1536, 8960), (1, 777, 8960, 1536), (2, 256, 384, 200)])
 def test_linear_cuda_matches_cpu(recipe, shape):
+    recipe = parse_recipe(recipe)
     B, S, N, K = shape
     torch.manual_seed(0)
     lin = torch.nn.Linear(K, N, bias=True)
@@ -124,15 +133,14 @@ def test_linear_cuda_matches_cpu(recipe, shape):
     ref_dx = g.double() @ lin.weight.double()
     ref_dw = g.reshape(-1, N).double().t() @ x.reshape(-1, K).double()
     for name, c, d, r in zip(("output", "grad_input", "grad_weight"), outs["cpu"], outs["cuda"], (ref_y, ref_dx, ref_dw)):
-        assert _sqnr(d, c) > 38, f"{recipe} {name}: CUDA and CPU paths differ ({_sqnr(d, c):.1f} dB)"
-        assert abs(_sqnr(d, r) - _sqnr(c, r)) < 1.0, f"{recipe} {name}: accuracy vs FP64 differs between paths"
+        assert _sqnr(d, c) > 38, f"{recipe.name} {name}: CUDA and CPU paths differ ({_sqnr(d, c):.1f} dB)"
+        assert abs(_sqnr(d, r) - _sqnr(c, r)) < 1.0, f"{recipe.name} {name}: accuracy vs FP64 differs between paths"
         assert _sqnr(d, r) > 20
 
 
 def test_emulate_flag_and_no_grad_path_on_cuda():
     """recipe.emulate runs the reference GEMMs on the GPU (same function as cuBLAS up to summation order);
     under no_grad the rows-only kernels give the same output as the training path."""
-    from dataclasses import replace
 
     torch.manual_seed(0)
     lin = torch.nn.Linear(1536, 896).cuda()
@@ -157,7 +165,6 @@ def test_weight_cache_and_x_t_from_fp8_on_cuda():
     """The paths that do not quantize the weight in the forward's op: the step's cached W (the backward
     transposes it into W.T) gives the uncached numbers bit for bit; `wgrad_input_from_fp8` gives the reference
     function (dequantize, transpose, re-quantize) up to cuBLAS summation order."""
-    from dataclasses import replace
 
     from fp8train import cache_fp8_weights
     from fp8train.fp8.ops import reference_fp8_linear
@@ -416,6 +423,26 @@ def test_fused_swiglu_mlp_on_cuda(fp8_inputs):
     assert _sqnr(fused_compiled[0], fused[0]) > 60, _sqnr(fused_compiled[0], fused[0])
     for i, (a, b) in enumerate(zip(fused_compiled[1:], fused[1:])):
         assert _sqnr(a, b) > 30, (i, _sqnr(a, b))
+
+
+def test_wgrad_blocks_on_cuda():
+    """`wgrad_blocks` on CUDA, a fused Qwen2 MLP at 1.5B width: grad_weight on cuBLAS's tile x block kernel
+    (the tile kernels writing input.T's blocks, h.T's by the SwiGLU producer) computes the emulated GEMMs of the
+    reference quantization; the output and the input gradient are hybrid's bit for bit, eagerly and compiled."""
+    from fp8train.fp8.gemm import Route, gemm_route
+
+    recipe = parse_recipe("hybrid+wgrad_blocks")
+    plan = LinearPlan.of(recipe, True)
+    assert gemm_route(plan.g_t, plan.x_t) is Route.TILE_BLOCK
+    x = torch.randn(2, 1000, 1536, device="cuda")
+    x[:, 0] *= 30
+    emulated = _run_qwen2_mlp(x, replace(recipe, emulate=True), False)
+    for compiled in (False, True):
+        hybrid, blocks = (_run_qwen2_mlp(x, r, compiled) for r in (make_recipe("hybrid"), recipe))
+        assert all(torch.equal(a, b) for a, b in zip(hybrid[:2], blocks[:2])), compiled
+        for i, (a, b, c) in enumerate(zip(blocks[2:], emulated[2:], hybrid[2:])):
+            assert _sqnr(a, b) > 38, (compiled, i, _sqnr(a, b))
+            assert _sqnr(a, c) > 25, (compiled, i, _sqnr(a, c))  # a different quantization, FP8-grade alike
 
 
 def test_input_t_in_backward_on_cuda():

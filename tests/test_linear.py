@@ -14,7 +14,7 @@ from fp8train.fp8 import gemm as gemm_module
 from fp8train.fp8 import ops
 from fp8train.fp8.operands import LinearPlan
 from fp8train.fp8.ops import reference_fp8_linear
-from fp8train.fp8.recipe import make_recipe
+from fp8train.fp8.recipe import make_recipe, parse_recipe
 
 THRESHOLD_DB = {"hybrid": 25.0, "rowwise": 25.0, "tensorwise": 19.0}
 
@@ -82,18 +82,39 @@ def test_emulated_path_equals_fake_quant_reference():
     assert torch.equal(dw, fq(g2.t(), (1, 128)) @ fq(x2.t(), (1, 128)).t())
 
 
-@pytest.mark.parametrize("recipe", ["hybrid", "tensorwise", "rowwise", "hybrid-x_t-from-fp8", "hybrid-exact-scales"])
+@pytest.mark.parametrize("recipe", ["hybrid", "tensorwise", "rowwise", "hybrid+wgrad_from_fp8", "hybrid+exact",
+                                    "hybrid+wgrad_blocks"])
 def test_fp8linear_computes_the_reference_function(recipe):
     """`reference_fp8_linear` states what the three GEMMs compute; the emulated FP8Linear equals it bit for bit."""
-    from dataclasses import replace
-
-    r = make_recipe(recipe.split("-")[0])
-    r = replace(r, wgrad_input_from_fp8=True) if "from-fp8" in recipe else r
-    r = replace(r, pow2_scale=False) if "exact" in recipe else r
+    r = parse_recipe(recipe)
     lin, m, x, g = _setup(r, bias=False, shape=(3, 70))
     y, dx, dw, _ = _run(m, x, g)
     ry, rdx, rdw = reference_fp8_linear(x.reshape(-1, 384), lin.weight.detach(), g.reshape(-1, 256), r)
     assert torch.equal(y.reshape(-1, 256), ry) and torch.equal(dx.reshape(-1, 384), rdx) and torch.equal(dw, rdw)
+
+
+def test_wgrad_blocks_scale_input_t_per_block_and_stay_fp8_grade():
+    """`wgrad_blocks`: grad_weight's input.T takes one scale per 128x128 block (tokens x features), so a feature
+    far smaller than its block's largest loses precision in grad_weight alone; on ordinary inputs grad_weight
+    stays FP8-grade, and output and grad_input are hybrid's bit for bit."""
+    lin, hyb, x, g = _setup("hybrid", K=384, N=256, shape=(2, 192))
+    blocks = FP8Linear.from_linear(torch.nn.Linear(384, 256), parse_recipe("hybrid+wgrad_blocks"))
+    with torch.no_grad():
+        blocks.weight.copy_(lin.weight)
+        blocks.bias.copy_(lin.bias)
+    (y0, dx0, dw0, _), (y1, dx1, dw1, _) = _run(hyb, x, g), _run(blocks, x, g)
+    ref = _fp64(lin, x, g)[2]
+    assert torch.equal(y0, y1) and torch.equal(dx0, dx1) and not torch.equal(dw0, dw1)
+    assert sqnr(dw1, ref) > THRESHOLD_DB["hybrid"], sqnr(dw1, ref)
+    # a feature 1e5 times smaller than the rest of its block (beyond E4M3's ~2^15 range of normals): token tiles
+    # keep it, its block's scale flushes it to zero
+    x_small = x.clone()
+    x_small[..., 5] *= 1e-5
+    for m in (hyb, blocks):
+        m.zero_grad(set_to_none=True)
+    got = {name: _run(m, x_small, g)[2][:, 5] for name, m in (("hybrid", hyb), ("blocks", blocks))}
+    want = _fp64(lin, x_small, g)[2][:, 5]
+    assert sqnr(got["hybrid"], want) > sqnr(got["blocks"], want) + 10, {k: sqnr(v, want) for k, v in got.items()}
 
 
 def test_wgrad_input_from_fp8_is_double_quantized_and_saves_one_copy():

@@ -180,13 +180,16 @@ def _step(model, ids, compile_backend=None):
 
 @pytest.mark.parametrize("arch, recipe, fp8_inputs", [("qwen2", "hybrid", False), ("qwen2", "hybrid", True),
                                                       ("llama", "hybrid", False), ("llama", "hybrid", True),
-                                                      ("qwen2", "tensorwise", False), ("qwen2", "rowwise", False)])
+                                                      ("qwen2", "tensorwise", False), ("qwen2", "rowwise", False),
+                                                      ("qwen2", "hybrid+wgrad_blocks", False)])
 def test_fused_mlp_is_the_three_linears_bit_for_bit(arch, recipe, fp8_inputs):
     """`fuse_swiglu` runs each MLP fused; on the CPU its logits and every parameter's gradient equal the three
     separate FP8Linears' exactly, with and without FP8-saved SwiGLU inputs, for every recipe."""
+    from fp8train import parse_recipe
+
     plain, fused = tiny(arch), tiny(arch)
-    convert_to_fp8(plain, make_recipe(recipe, swiglu_inputs_fp8=fp8_inputs))
-    report = convert_to_fp8(fused, make_recipe(recipe, swiglu_inputs_fp8=fp8_inputs, fuse_swiglu=True))
+    convert_to_fp8(plain, make_recipe(parse_recipe(recipe), swiglu_inputs_fp8=fp8_inputs))
+    report = convert_to_fp8(fused, make_recipe(parse_recipe(recipe), swiglu_inputs_fp8=fp8_inputs, fuse_swiglu=True))
     assert len(report.swiglu_mlps) == 2 and "SwiGLU fused into its FP8 producers" in str(report)
     assert plain.state_dict().keys() == fused.state_dict().keys()
     ids = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(3))
@@ -327,7 +330,8 @@ def test_fused_mlp_saves_less_for_backward_eagerly():
     assert saved_bytes(UNFUSED) - saved_bytes(FUSED) >= 2 * tokens * inter * layers
 
 
-@pytest.mark.parametrize("recipe", ["hybrid", "hybrid+wgrad_from_fp8", "hybrid+swiglu_fp8", "tensorwise+fused"])
+@pytest.mark.parametrize("recipe", ["hybrid", "hybrid+wgrad_from_fp8", "hybrid+swiglu_fp8", "tensorwise+fused",
+                                    "hybrid+wgrad_blocks"])
 def test_input_t_in_backward_same_numbers_less_saved(recipe):
     """`input_t_in_backward` makes the down projection's grad_weight operand in the backward from the saved g and u:
     logits and every gradient equal the forward-made operand's bit for bit, eagerly and compiled, and the
@@ -352,7 +356,7 @@ def test_input_t_in_backward_same_numbers_less_saved(recipe):
         assert torch.equal(la, lb) and ga.keys() == gb.keys(), b
         assert all(torch.equal(ga[n], gb[n]) for n in ga), b
     tokens, inter, layers = ids.numel(), 256, 2
-    if recipe in ("hybrid", "tensorwise+fused"):
+    if recipe in ("hybrid", "tensorwise+fused", "hybrid+wgrad_blocks"):
         assert saved[False] - saved[True] >= tokens * inter * layers, saved
     else:
         assert saved[False] == saved[True], saved
@@ -370,6 +374,26 @@ def test_input_t_in_backward_config_key(tmp_path, byte_tokenizer, corpus):
         cfg = tiny_config(tmp_path / str(key), byte_tokenizer, corpus, **({"input_t_in_backward": key} if key else {}))
         trainer = Trainer(cfg, progress=False)
         assert trainer.model.model.layers[0].mlp.recipe.input_t_in_backward is want, key
+
+
+def test_wgrad_blocks_config_key(tmp_path, byte_tokenizer, corpus):
+    """The trainer's `wgrad_blocks` puts every converted Linear's grad_weight input.T in 128x128 blocks (the recipe's
+    `wgrad_blocks`); false keeps hybrid's token tiles; the bf16 arm of the same config converts nothing; changing it
+    on resume changes the numbers, so it is not a free key."""
+    from fp8train.fp8.recipe import BLOCK, TILE
+    from fp8train.train.resume import _FREE
+    from fp8train.train.trainer import Trainer
+    from test_trainer import tiny_config
+
+    assert "wgrad_blocks" not in _FREE
+    for key, want in (("true", BLOCK), ("false", TILE)):
+        trainer = Trainer(tiny_config(tmp_path / key, byte_tokenizer, corpus, wgrad_blocks=key), progress=False)
+        layer = trainer.model.model.layers[0]
+        assert layer.mlp.recipe.grad_weight.b.block == want and layer.self_attn.q_proj.recipe.grad_weight.b.block == want
+        assert str(trainer.fp8_report).startswith(f"fp8train: recipe hybrid{'+wgrad_blocks' if key == 'true' else ''}:")
+    trainer = Trainer(tiny_config(tmp_path / "bf16", byte_tokenizer, corpus, wgrad_blocks="true", recipe="bf16"),
+                      progress=False)
+    assert not trainer.fp8_report.converted
 
 
 def test_input_t_in_backward_compiled_lets_the_partitioner_recompute():

@@ -162,16 +162,17 @@ def _swiglu_grad_up(dh, g):
 def _act_kernel(
     x_ptr, M, K, stride_xm,
     qr_ptr, sr_ptr, Kp,        # rows copy [M, Kp], scales [Kp/128, M]
-    qc_ptr, sc_ptr, Mp,        # cols copy [K, Mp], scales [Mp/128, K]
+    qc_ptr, sc_ptr, Mp,        # cols copy [K, Mp], scales [Mp/128, K] (COL_BLOCKS: [ceil(K/128), Mp/128])
     y_ptr, z_ptr,              # the producer's other inputs (x's shape and strides)
     ROW_MAX: tl.constexpr, COL_MAX: tl.constexpr,  # the copies' dtypes are their pointers'
     POW2: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, BF16: tl.constexpr, BLOCK: tl.constexpr,
-    PRODUCER: tl.constexpr,
+    PRODUCER: tl.constexpr, COL_BLOCKS: tl.constexpr,
 ):
     """Quantizes a tile of x itself (PRODUCER 0), of h = silu(g) * u (1: the down projection's input, made
     here from the gate and up outputs, never written in BF16), of the SwiGLU's input gradient dg (2: from dh,
-    g, u) or du (3: from dh, g), into the rows copy (ROWS), the cols copy (COLS) or both. (dg and du in one
-    launch, reading dh and g once, measured slower: the two tiles need twice the registers.)"""
+    g, u) or du (3: from dh, g), into the rows copy (ROWS), the cols copy (COLS) or both; COL_BLOCKS: the cols
+    copy has one scale for the whole 128x128 tile (a block of x.T, as a weight's) instead of one per feature.
+    (dg and du in one launch, reading dh and g once, measured slower: the two tiles need twice the registers.)"""
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = pid_m * BLOCK + tl.arange(0, BLOCK)
@@ -199,7 +200,13 @@ def _act_kernel(
     if ROWS:
         amax_r = amax_bits(ax, 1, BF16)  # one per (token, 128 features)
     if COLS:
-        amax_c = amax_bits(ax, 0, BF16)  # one per (feature, 128 tokens)
+        if COL_BLOCKS:  # one for the tile (128 tokens, 128 features): the max of the rows' (no column reduction)
+            if ROWS:
+                amax_c = tl.max(amax_r, axis=0)
+            else:
+                amax_c = tl.max(amax_bits(ax, 1, BF16), axis=0)
+        else:
+            amax_c = amax_bits(ax, 0, BF16)  # one per (feature, 128 tokens)
     if ROWS:
         s_r = scale_from_amax_bits(amax_r, ROW_MAX, POW2)
         q_r = scaled(x, inverse(s_r, POW2)[:, None])
@@ -211,10 +218,17 @@ def _act_kernel(
         # dg's cols scales divide, as the reference does (the same numbers): with the division's slow-path call
         # in the code ptxas keeps that launch within 128 registers, without it takes 151 (one program per SM)
         s_c = scale_from_amax_bits(amax_c, COL_MAX, POW2, PRODUCER == 2)
-        q_c = scaled(x, inverse(s_c, POW2)[None, :]).to(qc_ptr.dtype.element_ty)
+        if COL_BLOCKS:
+            q_c = scaled(x, inverse(s_c, POW2)).to(qc_ptr.dtype.element_ty)
+        else:
+            q_c = scaled(x, inverse(s_c, POW2)[None, :]).to(qc_ptr.dtype.element_ty)
         tl.store(qc_ptr + offs_k[:, None] * Mp + offs_m[None, :], tl.trans(q_c),
                  mask=in_k[:, None] & (offs_m < Mp)[None, :])
-        tl.store(sc_ptr + pid_m * K + offs_k, s_c, mask=in_k & (pid_m * BLOCK < Mp))
+        if COL_BLOCKS:
+            if (pid_m * BLOCK < Mp) & (pid_k * BLOCK < K):
+                tl.store(sc_ptr + pid_k * (Mp // BLOCK) + pid_m, s_c)
+        else:
+            tl.store(sc_ptr + pid_m * K + offs_k, s_c, mask=in_k & (pid_m * BLOCK < Mp))
 
 
 @triton.jit
@@ -267,9 +281,10 @@ def ops_layout(out, like: torch.Tensor) -> tuple:
 
 
 def _quantize_tiles(x2d, others, producer: int, row_fmt, col_fmt, pow2: bool, pad: int, cols: bool,
-                    num_warps: int | None, traced: bool, rows: bool = True) -> tuple:
+                    num_warps: int | None, traced: bool, rows: bool = True, col_blocks: bool = False) -> tuple:
     """One launch of `_act_kernel` over x2d [M, K] (and `others`, the producer's other inputs, of its shape):
-    (rows data, rows scale view, cols data, cols scale view), None for a copy not made."""
+    (rows data, rows scale view, cols data, cols scale view), None for a copy not made; with `col_blocks` the
+    cols scales are 128x128 blocks' (the view of the row-major [ceil(K/128), Mp/128] buffer)."""
     if not (rows or cols):
         raise ValueError("_quantize_tiles: neither copy asked for")
     M, K = x2d.shape
@@ -279,7 +294,8 @@ def _quantize_tiles(x2d, others, producer: int, row_fmt, col_fmt, pow2: bool, pa
     sr = torch.empty(Kp // _SIDE, M, dtype=torch.float32, device=dev) if rows else None
     if cols:
         qc = torch.empty(K, Mp, dtype=col_fmt.dtype, device=dev)
-        sc = torch.empty(Mp // _SIDE, K, dtype=torch.float32, device=dev)
+        sc_shape = (-(-K // _SIDE), Mp // _SIDE) if col_blocks else (Mp // _SIDE, K)
+        sc = torch.empty(sc_shape, dtype=torch.float32, device=dev)
         m_tiles = -(-max(Mp, M) // _SIDE)
     else:
         qc, sc, m_tiles = None, None, -(-M // _SIDE)
@@ -291,36 +307,41 @@ def _quantize_tiles(x2d, others, producer: int, row_fmt, col_fmt, pow2: bool, pa
     _launcher(_act_kernel, traced)[grid](
         x2d, M, K, x2d.stride(0), qr, sr, Kp, qc, sc, Mp, y, z, ROW_MAX=row_fmt.max, COL_MAX=col_fmt.max,
         POW2=pow2, BF16=x2d.dtype == torch.bfloat16, PRODUCER=producer, ROWS=rows, COLS=cols, BLOCK=_SIDE,
-        num_warps=num_warps or _NUM_WARPS,
+        COL_BLOCKS=col_blocks, num_warps=num_warps or _NUM_WARPS,
     )
     return (qr, sr.t() if rows else None, qc, sc.t() if cols else None)
 
 
 def quantize_tiles_and_transpose(x2d, row_fmt, col_fmt, pow2: bool, pad: int, cols: bool = True,
-                                 num_warps: int | None = None, _traced: bool = False, rows: bool = True):
+                                 num_warps: int | None = None, _traced: bool = False, rows: bool = True,
+                                 col_blocks: bool = False):
     """x2d [M, K] -> (rows data [M, Kp], rows scale view (M, Kp/128) with strides (1, M),
     cols data [K, Mp], cols scale view (K, Mp/128) with strides (1, K)); Kp, Mp = round_up(., pad).
     `cols=False` skips the transposed copy (no backward will need it), `rows=False` the row copy (a backward
-    making input.T alone); a copy not made is None.
+    making input.T alone); a copy not made is None. `col_blocks`: cols quantized in 128x128 blocks, its scale
+    the view (Mp/128, ceil(K/128)) of the row-major [ceil(K/128), Mp/128] scales (grad_weight's input.T
+    as a weight-like operand: the recipe's `wgrad_blocks`).
     A format is anything with `.dtype` (of the copy) and `.max` (an FP32 dtype gives the values before
     the FP8 conversion: the CPU interpreter checks use it)."""
-    return _quantize_tiles(x2d, (), 0, row_fmt, col_fmt, pow2, pad, cols, num_warps, _traced, rows)
+    return _quantize_tiles(x2d, (), 0, row_fmt, col_fmt, pow2, pad, cols, num_warps, _traced, rows, col_blocks)
 
 
 def quantize_swiglu(g, u, row_fmt, col_fmt, pow2: bool, pad: int, cols: bool = True, num_warps: int | None = None,
-                    _traced: bool = False, rows: bool = True):
+                    _traced: bool = False, rows: bool = True, col_blocks: bool = False):
     """The tiles of h = silu(g) * u from BF16 g, u [M, I], without h ever being written: (rows data, rows
     scale [Ip/128, M], cols data, cols scale [Mp/128, I]), the scales as buffers in the ops' layout (not the
-    views `quantize_tiles_and_transpose` returns); a copy not made (`rows`, `cols` False): empty tensors."""
-    return ops_layout(_quantize_tiles(g, (u,), 1, row_fmt, col_fmt, pow2, pad, cols, num_warps, _traced, rows), g)
+    views `quantize_tiles_and_transpose` returns); a copy not made (`rows`, `cols` False): empty tensors;
+    `col_blocks` as there."""
+    return ops_layout(_quantize_tiles(g, (u,), 1, row_fmt, col_fmt, pow2, pad, cols, num_warps, _traced, rows,
+                                      col_blocks), g)
 
 
 def quantize_swiglu_grads(dh, g, u, row_fmt, col_fmt, pow2: bool, pad: int, cols: bool = True,
-                          num_warps: int | None = None, _traced: bool = False):
+                          num_warps: int | None = None, _traced: bool = False, col_blocks: bool = False):
     """The tiles of the SwiGLU's input gradients from BF16 dh, g, u [M, I]: dg's four tensors, then du's (as
     `quantize_swiglu` returns them), in two launches."""
-    dg = _quantize_tiles(dh, (g, u), 2, row_fmt, col_fmt, pow2, pad, cols, num_warps, _traced)
-    du = _quantize_tiles(dh, (g,), 3, row_fmt, col_fmt, pow2, pad, cols, num_warps, _traced)
+    dg = _quantize_tiles(dh, (g, u), 2, row_fmt, col_fmt, pow2, pad, cols, num_warps, _traced, True, col_blocks)
+    du = _quantize_tiles(dh, (g,), 3, row_fmt, col_fmt, pow2, pad, cols, num_warps, _traced, True, col_blocks)
     return (*ops_layout(dg, dh), *ops_layout(du, dh))
 
 
@@ -352,22 +373,26 @@ _FORMATS = {f.dtype: f for f in Fp8Format}
 
 @torch.library.triton_op("fp8train::quantize_tiles", mutates_args=())
 def quantize_tiles_op(x2d: torch.Tensor, row_dtype: torch.dtype, col_dtype: torch.dtype, pow2: bool, pad: int,
-                      rows: bool, cols: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                      rows: bool, cols: bool, col_blocks: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                         torch.Tensor]:
     return ops_layout(quantize_tiles_and_transpose(x2d, _FORMATS[row_dtype], _FORMATS[col_dtype], pow2, pad, cols,
-                                                   _traced=True, rows=rows), x2d)
+                                                   _traced=True, rows=rows, col_blocks=col_blocks), x2d)
 
 
 @torch.library.triton_op("fp8train::quantize_swiglu_tiles", mutates_args=())
 def quantize_swiglu_op(g: torch.Tensor, u: torch.Tensor, row_dtype: torch.dtype, col_dtype: torch.dtype, pow2: bool,
-                       pad: int, rows: bool, cols: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return quantize_swiglu(g, u, _FORMATS[row_dtype], _FORMATS[col_dtype], pow2, pad, cols, _traced=True, rows=rows)
+                       pad: int, rows: bool, cols: bool, col_blocks: bool) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                   torch.Tensor, torch.Tensor]:
+    return quantize_swiglu(g, u, _FORMATS[row_dtype], _FORMATS[col_dtype], pow2, pad, cols, _traced=True, rows=rows,
+                           col_blocks=col_blocks)
 
 
 @torch.library.triton_op("fp8train::quantize_swiglu_grad_tiles", mutates_args=())
 def quantize_swiglu_grads_op(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, row_dtype: torch.dtype,
-                             col_dtype: torch.dtype, pow2: bool, pad: int, cols: bool) -> tuple[
+                             col_dtype: torch.dtype, pow2: bool, pad: int, cols: bool, col_blocks: bool) -> tuple[
         torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return quantize_swiglu_grads(dh, g, u, _FORMATS[row_dtype], _FORMATS[col_dtype], pow2, pad, cols, _traced=True)
+    return quantize_swiglu_grads(dh, g, u, _FORMATS[row_dtype], _FORMATS[col_dtype], pow2, pad, cols, _traced=True,
+                                 col_blocks=col_blocks)
 
 
 @torch.library.triton_op("fp8train::quantize_blocks", mutates_args=())

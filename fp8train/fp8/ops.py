@@ -79,8 +79,13 @@ def _tile_kernel_applies(rows: OperandSpec, cols: OperandSpec, cublas: bool) -> 
     # (Under torch.compile the Triton kernel beat inductor fusing the traced reference quantization into the
     # producing norm / SwiGLU kernels by 5% or more at 7B, though the latter saves its FP8 copies' memory:
     # docs/benchmarks.md section 0, item 1.)
-    return (cublas and _kernels is not None and rows.is_tile and cols.is_tile
+    return (cublas and _kernels is not None and rows.is_tile and (cols.is_tile or _col_blocks(cols))
             and rows.blockwise_padded and cols.blockwise_padded)
+
+
+def _col_blocks(cols: OperandSpec) -> bool:
+    """input.T in 128x128 blocks (the recipe's `wgrad_blocks`): the tile kernels' one scale a tile."""
+    return cols.fmt is not None and cols.block == BLOCK
 
 
 def _quantize_activation(x2d: Tensor, rows: OperandSpec, cols: OperandSpec, pow2: bool, make_cols: bool,
@@ -93,9 +98,9 @@ def _quantize_activation(x2d: Tensor, rows: OperandSpec, cols: OperandSpec, pow2
     if _tile_kernel_applies(rows, cols, cublas):
         if torch.compiler.is_compiling():  # its triton_op: inductor sees into it and launches it itself
             return _kernels.quantize_tiles_op(x2d, rows.fmt.dtype, cols.fmt.dtype, pow2, rows.pad, make_rows,
-                                              make_cols)
-        return _kernels.ops_layout(_kernels.quantize_tiles_and_transpose(x2d, rows.fmt, cols.fmt, pow2, rows.pad,
-                                                                         make_cols, rows=make_rows), x2d)
+                                              make_cols, _col_blocks(cols))
+        return _kernels.ops_layout(_kernels.quantize_tiles_and_transpose(
+            x2d, rows.fmt, cols.fmt, pow2, rows.pad, make_cols, rows=make_rows, col_blocks=_col_blocks(cols)), x2d)
     rd, rs = quantize_operand(x2d, rows, pow2)
     if not make_cols:
         return rd, rs, *_empty(x2d)
@@ -226,8 +231,9 @@ def _quantize_swiglu_impl(g: Tensor, u: Tensor, plan: str, make_cols: bool, make
     if kernels and _swiglu_kernel_applies(p, p.x, p.x_t, g, u):
         if torch.compiler.is_compiling():
             return _kernels.quantize_swiglu_op(g, u, p.x.fmt.dtype, p.x_t.fmt.dtype, p.pow2, p.x.pad, make_rows,
-                                               make_cols)
-        return _kernels.quantize_swiglu(g, u, p.x.fmt, p.x_t.fmt, p.pow2, p.x.pad, make_cols, rows=make_rows)
+                                               make_cols, _col_blocks(p.x_t))
+        return _kernels.quantize_swiglu(g, u, p.x.fmt, p.x_t.fmt, p.pow2, p.x.pad, make_cols, rows=make_rows,
+                                        col_blocks=_col_blocks(p.x_t))
     return _quantize_activation(swiglu_reference(g, u), p.x, p.x_t, p.pow2, make_cols, p.cublas and kernels, make_rows)
 
 
@@ -241,8 +247,9 @@ def _quantize_swiglu_grads_impl(dh: Tensor, g: Tensor, u: Tensor, plan: str, mak
     if kernels and _swiglu_kernel_applies(p, p.g, p.g_t, dh, g, u):
         if torch.compiler.is_compiling():
             return _kernels.quantize_swiglu_grads_op(dh, g, u, p.g.fmt.dtype, p.g_t.fmt.dtype, p.pow2, p.g.pad,
-                                                     make_cols)
-        return _kernels.quantize_swiglu_grads(dh, g, u, p.g.fmt, p.g_t.fmt, p.pow2, p.g.pad, make_cols)
+                                                     make_cols, _col_blocks(p.g_t))
+        return _kernels.quantize_swiglu_grads(dh, g, u, p.g.fmt, p.g_t.fmt, p.pow2, p.g.pad, make_cols,
+                                              col_blocks=_col_blocks(p.g_t))
     dg, du = swiglu_grads_reference(dh, g, u)
     return (*_quantize_activation(dg, p.g, p.g_t, p.pow2, make_cols, p.cublas and kernels),
             *_quantize_activation(du, p.g, p.g_t, p.pow2, make_cols, p.cublas and kernels))

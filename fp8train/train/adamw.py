@@ -56,7 +56,10 @@ __all__ = ["TritonAdamW", "adamw_reference", "read_later", "step_scalars", "trit
 # (benchmarks/optim_step.py, docs/benchmarks.md)
 _LAUNCH = (1024, 8, 8)
 _SIDE = 128  # a weight's FP8 scaling block is _SIDE x _SIDE (`write_fp8_blocks`)
-_SUB_ROWS = 8  # rows of a block stepped at a time: 4 elements a thread a stream with 8 warps, as `_LAUNCH`
+# (rows of a block stepped a loop iteration, warps) of `write_fp8_blocks`' launch: 4 elements a thread a stream,
+# as `_LAUNCH`, in programs of 1,024 threads (64 registers on SM90: two programs an SM). The fastest of five
+# shapes on the H200, 1.25x its floor against (8, 8)'s 1.34x (benchmarks/optim_step.py, docs/benchmarks.md)
+_BLOCKS_LAUNCH = (32, 32)
 
 
 def _f32(x: float) -> float:
@@ -272,7 +275,8 @@ class TritonAdamW(torch.optim.AdamW):
     `optimizer.found_inf`, likewise, skips the step where it is not 0."""
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2, *, launch: tuple[int, int, int] = _LAUNCH):
+                 weight_decay: float = 1e-2, *, launch: tuple[int, int, int] = _LAUNCH,
+                 blocks_launch: tuple[int, int] = _BLOCKS_LAUNCH):
         if triton is None:
             raise RuntimeError("TritonAdamW needs Triton (it ships with torch's CUDA builds)")
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False)
@@ -281,6 +285,7 @@ class TritonAdamW(torch.optim.AdamW):
                 if p.dtype != torch.float32 or not (p.is_cuda or _interpreted()):
                     raise ValueError(f"TritonAdamW steps FP32 CUDA parameters, got {p.dtype} on {p.device}")
         self._launch = launch  # (block, iterations, warps); benchmarks/optim_step.py compares a few
+        self._blocks_launch = blocks_launch  # (rows an iteration, warps); likewise
         self._chunk_maps: dict[tuple, torch.Tensor] = {}
         self._block_maps: dict[tuple, torch.Tensor] = {}
         self._fp8: dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] = {}  # write_fp8_blocks' copies
@@ -460,16 +465,17 @@ class TritonAdamW(torch.optim.AdamW):
             scale = grad_scale.float().reshape(1) if grad_scale is not None else None  # None: compiled out
             flag = found_inf.float().reshape(1) if found_inf is not None else None
             common = dict(HAS_GRAD_SCALE=grad_scale is not None, HAS_FOUND_INF=found_inf is not None,
-                          num_warps=self._launch[2], enable_fp_fusion=False)
+                          enable_fp_fusion=False)
             scalars = (s["decay"], s["one_minus_beta1"], s["beta2"], s["one_minus_beta2"], s["eps"])
             if t.flat.numel():
                 _adamw_kernel[(t.flat.shape[0],)](t.addr, hyper, t.flat, scale, flag, *scalars, BLOCK=self._launch[0],
-                                                  ITERS=self._launch[1], **common)
+                                                  ITERS=self._launch[1], num_warps=self._launch[2], **common)
             if t.blocks is not None:
                 _adamw_blocks_kernel[(t.blocks.shape[0],)](t.addr, hyper, t.blocks, t.fp8, scale, flag, *scalars,
                                                            POW2=self._fp8_kind[0],
                                                            FP32_DATA=self._fp8_kind[1] == torch.float32, SIDE=_SIDE,
-                                                           ROWS=_SUB_ROWS, **common)
+                                                           ROWS=self._blocks_launch[0],
+                                                           num_warps=self._blocks_launch[1], **common)
         if found_inf is not None and counted:
             self._unsettled = _Launched(read_later(found_inf.reshape(())), counted)
         return None

@@ -4,7 +4,8 @@
 writes both FP8 copies the hybrid recipe needs:
     rows  [M, Kp]  1x128 tiles along the features  (operand a of output / grad_input)
     cols  [K, Mp]  1x128 tiles along the tokens     (operand of grad_weight), quantized from the same
-                   high-precision tile, never from the row copy (no double quantization).
+                   high-precision tile, never from the row copy (no double quantization); or, with
+                   `col_blocks` (the recipe's `wgrad_blocks`), 128x128 blocks: one scale for the tile.
 `quantize_blocks` quantizes a weight in 128x128 blocks, as W (operand b of output) or as W.T (operand b
 of grad_input: the same blocks transposed, with the same scales). The activation kernel's producers make
 the tile it quantizes from other tensors instead of reading it (`quantize_swiglu`: h = silu(g) * u, the

@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
             rows.append(("W and W.T quantized from FP32 (what the copies replace)", _ms(quantize_w_and_w_t),
                          10 * share))
             for blocks_launch in _BLOCKS_LAUNCHES:
-                del opt
+                opt = None  # the last one's moments freed before the next one's are made
                 opt = TritonAdamW(_param_groups(model, 0.1), lr=1e-5, betas=(0.9, 0.95), blocks_launch=blocks_launch)
                 for w in projections:
                     opt.write_fp8_blocks(w, *quantize_blocks(w.detach(), e4m3, True, 16), pow2=True)

@@ -130,6 +130,14 @@ def test_cuda_graphs_need_compile():
     assert load_config(None, CPT + ["train.cuda_graphs=true", "train.compile=true"]).train.cuda_graphs
 
 
+def test_wgrad_blocks_only_with_hybrid():
+    for recipe in ("tensorwise", "rowwise"):
+        with pytest.raises(ConfigError, match=rf"'wgrad_blocks' applies to the hybrid recipe, not recipe: {recipe}"):
+            load_config(None, CPT + ["wgrad_blocks=true", f"recipe={recipe}"])
+    for recipe in ("hybrid", "bf16"):  # bf16 (the comparison arm of the same config): nothing in FP8 to change
+        assert load_config(None, CPT + ["wgrad_blocks=true", f"recipe={recipe}"]).wgrad_blocks
+
+
 def test_missing_and_inconsistent_sections():
     with pytest.raises(ConfigError, match="missing required config section 'data'"):
         load_config(None, ["train.steps=3"])

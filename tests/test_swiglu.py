@@ -376,6 +376,26 @@ def test_input_t_in_backward_config_key(tmp_path, byte_tokenizer, corpus):
         assert trainer.model.model.layers[0].mlp.recipe.input_t_in_backward is want, key
 
 
+def test_wgrad_blocks_config_key(tmp_path, byte_tokenizer, corpus):
+    """The trainer's `wgrad_blocks` puts every converted Linear's grad_weight input.T in 128x128 blocks (the recipe's
+    `wgrad_blocks`); false keeps hybrid's token tiles; the bf16 arm of the same config converts nothing; changing it
+    on resume changes the numbers, so it is not a free key."""
+    from fp8train.fp8.recipe import BLOCK, TILE
+    from fp8train.train.resume import _FREE
+    from fp8train.train.trainer import Trainer
+    from test_trainer import tiny_config
+
+    assert "wgrad_blocks" not in _FREE
+    for key, want in (("true", BLOCK), ("false", TILE)):
+        trainer = Trainer(tiny_config(tmp_path / key, byte_tokenizer, corpus, wgrad_blocks=key), progress=False)
+        layer = trainer.model.model.layers[0]
+        assert layer.mlp.recipe.grad_weight.b.block == want and layer.self_attn.q_proj.recipe.grad_weight.b.block == want
+        assert str(trainer.fp8_report).startswith(f"fp8train: recipe hybrid{'+wgrad_blocks' if key == 'true' else ''}:")
+    trainer = Trainer(tiny_config(tmp_path / "bf16", byte_tokenizer, corpus, wgrad_blocks="true", recipe="bf16"),
+                      progress=False)
+    assert not trainer.fp8_report.converted
+
+
 def test_input_t_in_backward_compiled_lets_the_partitioner_recompute():
     """Compiled by inductor (the trainer's per-layer compile), `input_t_in_backward` saves each Linear's input by
     reference and makes input.T in the backward; the partitioner recomputes the attention output (o_proj's input)

@@ -88,7 +88,7 @@ def convert_to_fp8(
     of what was converted and why the rest was skipped. With recipe "bf16" nothing is converted.
     """
     recipe = make_recipe(recipe)
-    report = ConversionReport(recipe.name.value + ("+wgrad_blocks" if recipe.wgrad_blocks else ""))
+    report = ConversionReport(recipe.spec)
     if not recipe.enabled:
         return report
     kept_layers = _decoder_layer_prefixes(model, bf16_layers) if bf16_layers else {}

@@ -219,17 +219,15 @@ def _act_kernel(
         # dg's cols scales divide, as the reference does (the same numbers): with the division's slow-path call
         # in the code ptxas keeps that launch within 128 registers, without it takes 151 (one program per SM)
         s_c = scale_from_amax_bits(amax_c, COL_MAX, POW2, PRODUCER == 2)
-        if COL_BLOCKS:
-            q_c = scaled(x, inverse(s_c, POW2)).to(qc_ptr.dtype.element_ty)
-        else:
-            q_c = scaled(x, inverse(s_c, POW2)[None, :]).to(qc_ptr.dtype.element_ty)
-        tl.store(qc_ptr + offs_k[:, None] * Mp + offs_m[None, :], tl.trans(q_c),
-                 mask=in_k[:, None] & (offs_m < Mp)[None, :])
-        if COL_BLOCKS:
+        if COL_BLOCKS:  # one scale, stored at the block's place in the row-major [ceil(K/128), Mp/128]
+            q_c = scaled(x, inverse(s_c, POW2))
             if (pid_m * BLOCK < Mp) & (pid_k * BLOCK < K):
                 tl.store(sc_ptr + pid_k * (Mp // BLOCK) + pid_m, s_c)
         else:
+            q_c = scaled(x, inverse(s_c, POW2)[None, :])
             tl.store(sc_ptr + pid_m * K + offs_k, s_c, mask=in_k & (pid_m * BLOCK < Mp))
+        tl.store(qc_ptr + offs_k[:, None] * Mp + offs_m[None, :], tl.trans(q_c.to(qc_ptr.dtype.element_ty)),
+                 mask=in_k[:, None] & (offs_m < Mp)[None, :])
 
 
 @triton.jit

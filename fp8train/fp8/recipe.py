@@ -136,9 +136,13 @@ class Fp8Recipe:
         return self.name is not RecipeName.BF16
 
     @property
-    def wgrad_blocks(self) -> bool:
-        """grad_weight's input.T in 128x128 blocks (the `wgrad_blocks` modifier)."""
-        return self.grad_weight is not None and self.grad_weight.b.fmt is not None and self.grad_weight.b.block == BLOCK
+    def spec(self) -> str:
+        """`name[+modifier...]`, what `parse_recipe` reads back: the name and each of `MODIFIERS` that changes
+        the named recipe (a field no modifier spells, such as `emulate`, is not shown)."""
+        base = make_recipe(self.name)
+        mods = [m for m, (field, value) in MODIFIERS.items()
+                if getattr(self, field) == value != getattr(base, field)]
+        return "+".join([self.name.value, *mods])
 
 
 def _gemm(fa: Fp8Format, ba: Block, fb: Fp8Format, bb: Block) -> GemmConfig:
@@ -175,8 +179,7 @@ _RECIPES = {
 # grad_weight runs on cuBLAS's tile x block kernel, as output and grad_input do (faster than tile x tile). With
 # power-of-two scales (the default) a value rounds alike under its tile's scale and its block's unless it lies
 # below E4M3's normals under the block's (2^-14.8 of the block's amax), which the block flushes where the tile
-# would keep it; exact scales round every value a little differently (docs/fidelity.md). Experimental (a bench
-# and fidelity modifier, no config key): its fused-MLP comparison on the GPU fails (tests/test_gpu.py).
+# would keep it; exact scales round every value a little differently (docs/fidelity.md).
 _WGRAD_BLOCKS = _gemm(_E4, TILE, _E4, BLOCK)
 
 MODIFIERS = {  # `+name` in a recipe spec (`hybrid+exact+deep_gemm`): (Fp8Recipe field, value)
@@ -204,18 +207,26 @@ def parse_recipe(spec: str) -> Fp8Recipe:
 
 def make_recipe(name: "str | RecipeName | Fp8Recipe" = "hybrid", *, pow2_scale: bool | None = None,
                 swiglu_inputs_fp8: bool | None = None, deep_gemm: bool | None = None,
-                fuse_swiglu: bool | None = None, input_t_in_backward: bool | None = None) -> Fp8Recipe:
+                fuse_swiglu: bool | None = None, input_t_in_backward: bool | None = None,
+                wgrad_blocks: bool | None = None) -> Fp8Recipe:
     """The frozen recipe for `name` ('hybrid', 'tensorwise', 'rowwise' or 'bf16'); a knob given (not None)
-    replaces the named recipe's value."""
+    replaces the named recipe's value. `wgrad_blocks` (hybrid; ignored by bf16): grad_weight's input.T in 128x128
+    blocks (`MODIFIERS`' `wgrad_blocks`); False: the named recipe's token tiles."""
     knobs = {k: bool(v) for k, v in (("pow2_scale", pow2_scale), ("swiglu_inputs_fp8", swiglu_inputs_fp8),
                                      ("deep_gemm", deep_gemm), ("fuse_swiglu", fuse_swiglu),
                                      ("input_t_in_backward", input_t_in_backward)) if v is not None}
     if isinstance(name, Fp8Recipe):
-        return replace(name, **knobs) if knobs else name
-    try:
-        rname = name if isinstance(name, RecipeName) else RecipeName(str(name).lower())
-    except ValueError:
-        raise ValueError(
-            f"unknown FP8 recipe {name!r}; expected one of {[r.value for r in RecipeName]}"
-        ) from None
-    return Fp8Recipe(name=rname, **{**_RECIPES[rname], **knobs})
+        recipe = replace(name, **knobs) if knobs else name
+    else:
+        try:
+            rname = name if isinstance(name, RecipeName) else RecipeName(str(name).lower())
+        except ValueError:
+            raise ValueError(
+                f"unknown FP8 recipe {name!r}; expected one of {[r.value for r in RecipeName]}"
+            ) from None
+        recipe = Fp8Recipe(name=rname, **{**_RECIPES[rname], **knobs})
+    if wgrad_blocks is None or recipe.name is RecipeName.BF16:  # (BF16: no GEMM in FP8, nothing to change)
+        return recipe
+    if recipe.name is not RecipeName.HYBRID:
+        raise ValueError(f"wgrad_blocks applies to the hybrid recipe, not {recipe.name.value!r}")
+    return replace(recipe, grad_weight=_WGRAD_BLOCKS if wgrad_blocks else _RECIPES[RecipeName.HYBRID]["grad_weight"])

@@ -125,6 +125,12 @@ class TrainConfig:
     anyway; compiled, the other Linears from their input, which the compiler recomputes where that is cheap (the
     attention output). Less activation memory for more backward work, the same arithmetic (docs/benchmarks.md).
     null: the recipe's default (off)."""
+    wgrad_blocks: bool = False
+    """Quantize each FP8 Linear's grad_weight input (its input, transposed) in 128x128 blocks of features and tokens
+    instead of 1x128 token tiles, so grad_weight runs on cuBLAS's faster tile x block kernel: +0.03x BF16's
+    tokens/s at Qwen2.5-1.5B and 7B on an H100 (docs/benchmarks.md, twenty-ninth session). A value differs only
+    where it lies 2^15 below its block's largest, which a block flushes to zero and a tile keeps (hybrid recipe
+    only; docs/fidelity.md). Off by default: the paper's recipe tiles this operand per token."""
     deep_gemm: bool = False
     """Run the hybrid recipe's output and grad_input GEMMs on DeepGEMM's SM90 kernel instead of cuBLAS's: the
     same numbers, 2% faster steps at Qwen2.5-7B, 5% for LoRA (docs/benchmarks.md section 0a, which says how to
@@ -180,6 +186,9 @@ class TrainConfig:
         if t.cuda_graphs and not t.compile:
             raise ConfigError("config key 'train.cuda_graphs' needs 'train.compile': true (it graphs the compiled layers)",
                               ("train.cuda_graphs", "train.compile"))
+        if self.wgrad_blocks and self.recipe in ("tensorwise", "rowwise"):
+            raise ConfigError(f"config key 'wgrad_blocks' applies to the hybrid recipe, not recipe: {self.recipe}",
+                              ("wgrad_blocks", "recipe"))
         per_step = t.micro_batch * world_size
         if t.global_batch % per_step:
             raise ConfigError(

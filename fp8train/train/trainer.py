@@ -181,7 +181,7 @@ class Trainer:
             use_packed_attention(self.model)
         recipe = make_recipe(cfg.recipe, pow2_scale=cfg.pow2_scale, swiglu_inputs_fp8=cfg.swiglu_inputs_fp8,
                              deep_gemm=cfg.deep_gemm, fuse_swiglu=cfg.fuse_swiglu,
-                             input_t_in_backward=cfg.input_t_in_backward)
+                             input_t_in_backward=cfg.input_t_in_backward, wgrad_blocks=cfg.wgrad_blocks or None)
         self.fp8_report = convert_to_fp8(self.model, recipe, bf16_layers=cfg.bf16_layers)
         self.model = apply_lora(self.model, cfg.model.lora, sharded=self.world.sharded)  # after FP8: base = FP8Linear
         parallelize_model(self.model, activation_checkpointing=cfg.train.activation_checkpointing,

@@ -33,6 +33,7 @@ def main() -> None:
     p.add_argument("--batches", type=int, default=3)
     p.add_argument("--rows", type=int, default=2)
     p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--exact", action="store_true", help="every FP8 arm with exact FP32 scales (pow2_scale false)")
     args = p.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     base, tokenizer = fid.load_gguf(Path(args.gguf), None)
@@ -46,6 +47,8 @@ def main() -> None:
                "hybrid, wgrad_blocks": replace(hybrid, grad_weight=blocks),
                "FP8 grad_weight only: input.T in token tiles": wgrad_only,
                "FP8 grad_weight only: input.T in 128x128 blocks (wgrad_blocks)": replace(wgrad_only, grad_weight=blocks)}
+    if args.exact:
+        recipes = {f"{name}, exact scales": replace(r, pow2_scale=False) for name, r in recipes.items()}
     files = fid.corpus_files(0)
     results: dict[str, list[dict]] = {name: [] for name in ("bf16", *recipes)}
     for b in range(args.batches):

@@ -132,7 +132,7 @@ def test_cuda_graphs_need_compile():
 
 def test_wgrad_blocks_only_with_hybrid():
     for recipe in ("tensorwise", "rowwise"):
-        with pytest.raises(ConfigError, match=rf"'wgrad_blocks' applies to the hybrid recipe, not recipe: {recipe}"):
+        with pytest.raises(ConfigError, match=rf"'wgrad_blocks': wgrad_blocks applies to the hybrid recipe, not '{recipe}'"):
             load_config(None, CPT + ["wgrad_blocks=true", f"recipe={recipe}"])
     for recipe in ("hybrid", "bf16"):  # bf16 (the comparison arm of the same config): nothing in FP8 to change
         assert load_config(None, CPT + ["wgrad_blocks=true", f"recipe={recipe}"]).wgrad_blocks

@@ -229,4 +229,5 @@ def make_recipe(name: "str | RecipeName | Fp8Recipe" = "hybrid", *, pow2_scale: 
         return recipe
     if recipe.name is not RecipeName.HYBRID:
         raise ValueError(f"wgrad_blocks applies to the hybrid recipe, not {recipe.name.value!r}")
-    return replace(recipe, grad_weight=_WGRAD_BLOCKS if wgrad_blocks else _RECIPES[RecipeName.HYBRID]["grad_weight"])
+    field, blocks = MODIFIERS["wgrad_blocks"]
+    return replace(recipe, **{field: blocks if wgrad_blocks else _RECIPES[RecipeName.HYBRID][field]})

@@ -19,6 +19,7 @@ from typing import Any, Literal
 import yaml
 
 from ..data import CptDataConfig, SftDataConfig
+from ..fp8.recipe import Fp8Recipe, make_recipe
 from .distributed import DistributedConfig
 from .metrics import resolve_report_to
 from .model import PRESETS, ModelConfig
@@ -156,6 +157,16 @@ class TrainConfig:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     """torchrun + FSDP2 options (section); ignored in a single process."""
 
+    def fp8_recipe(self) -> Fp8Recipe:
+        """The frozen recipe that `recipe` and its knobs name; ConfigError where they do not combine (make_recipe
+        refuses `wgrad_blocks` on a recipe other than hybrid, its only ValueError for a name the schema accepted)."""
+        try:
+            return make_recipe(self.recipe, pow2_scale=self.pow2_scale, swiglu_inputs_fp8=self.swiglu_inputs_fp8,
+                               deep_gemm=self.deep_gemm, fuse_swiglu=self.fuse_swiglu,
+                               input_t_in_backward=self.input_t_in_backward, wgrad_blocks=self.wgrad_blocks or None)
+        except ValueError as e:
+            raise ConfigError(f"config key 'wgrad_blocks': {e}", ("wgrad_blocks", "recipe")) from None
+
     def validate(self, world_size: int = 1) -> None:
         """Cross-field checks; the trainer calls it again with the real world size."""
         t = self.train
@@ -186,9 +197,7 @@ class TrainConfig:
         if t.cuda_graphs and not t.compile:
             raise ConfigError("config key 'train.cuda_graphs' needs 'train.compile': true (it graphs the compiled layers)",
                               ("train.cuda_graphs", "train.compile"))
-        if self.wgrad_blocks and self.recipe in ("tensorwise", "rowwise"):
-            raise ConfigError(f"config key 'wgrad_blocks' applies to the hybrid recipe, not recipe: {self.recipe}",
-                              ("wgrad_blocks", "recipe"))
+        self.fp8_recipe()  # the recipe keys combine (make_recipe's rules)
         per_step = t.micro_batch * world_size
         if t.global_batch % per_step:
             raise ConfigError(

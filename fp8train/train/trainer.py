@@ -28,7 +28,6 @@ from ..data.tokenizer import end_of_turn_ids
 from ..fp8.convert import cache_fp8_weights, convert_to_fp8, freeze_fp8_weights, hold_fp8_weights
 from ..fp8.health import track_fp8_health
 from ..fp8.gemm import load_deep_gemm
-from ..fp8.recipe import make_recipe
 from ..export import export_hf
 from ..threads import cpu_threads
 from .adamw import read_later
@@ -179,10 +178,7 @@ class Trainer:
         self.model.to(self.device)
         if cfg.train.packed_attention == "flex" and self.device.type == "cuda":  # flex has no CPU backward
             use_packed_attention(self.model)
-        recipe = make_recipe(cfg.recipe, pow2_scale=cfg.pow2_scale, swiglu_inputs_fp8=cfg.swiglu_inputs_fp8,
-                             deep_gemm=cfg.deep_gemm, fuse_swiglu=cfg.fuse_swiglu,
-                             input_t_in_backward=cfg.input_t_in_backward, wgrad_blocks=cfg.wgrad_blocks or None)
-        self.fp8_report = convert_to_fp8(self.model, recipe, bf16_layers=cfg.bf16_layers)
+        self.fp8_report = convert_to_fp8(self.model, cfg.fp8_recipe(), bf16_layers=cfg.bf16_layers)
         self.model = apply_lora(self.model, cfg.model.lora, sharded=self.world.sharded)  # after FP8: base = FP8Linear
         parallelize_model(self.model, activation_checkpointing=cfg.train.activation_checkpointing,
                           compile=cfg.train.compile, cuda_graphs=cfg.train.cuda_graphs,
@@ -455,7 +451,7 @@ class Trainer:
         for the host between them. A step that evaluates, saves, tracks FP8 health or ends the run is
         finished before the next begins, so that it sees the model of exactly its step."""
         t = self.cfg.train
-        fp8 = make_recipe(self.cfg.recipe).enabled
+        fp8 = self.cfg.fp8_recipe().enabled
         throughput = Throughput(self.device, peak_tflops(self.device, fp8), self.world.world_size)
         in_flight = None
         while self.step < self.total_steps:

@@ -575,10 +575,13 @@ def _deep_gemm_importable() -> bool:
 
 @pytest.mark.skipif(not _deep_gemm_importable(), reason="needs DeepGEMM (the recipe's deep_gemm; docs/benchmarks.md)")
 @pytest.mark.parametrize("mode", ["eager", "compiled", "cudagraphs"])
-def test_deep_gemm_route_equals_cublas_on_cuda(mode):
+@pytest.mark.parametrize("base", ["hybrid", "hybrid+wgrad_blocks"])
+def test_deep_gemm_route_equals_cublas_on_cuda(mode, base):
     """The recipe's `deep_gemm`: output and grad_input on DeepGEMM's kernel give cuBLAS's numbers bit for bit
     (outputs, input and weight gradients of two Linears at 7B-like widths), eagerly, compiled and replayed
-    as CUDA graphs, and the GEMMs really ran there (DeepGEMM's kernel in the profile)."""
+    as CUDA graphs, and the GEMMs really ran there (DeepGEMM's kernel in the profile). With `wgrad_blocks`
+    grad_weight is a tile x block GEMM too, but with an FP32 output: it stays on cuBLAS (DeepGEMM's SM90
+    tile x block kernel writes BF16 only)."""
     import torch._dynamo
 
     def run(recipe, compile_mode):
@@ -600,8 +603,8 @@ def test_deep_gemm_route_equals_cublas_on_cuda(mode):
         return out, fn, x
 
     compile_mode = {"eager": None, "compiled": "default", "cudagraphs": "reduce-overhead"}[mode]
-    ref, _, _ = run(make_recipe("hybrid"), compile_mode)
-    got, fn, x = run(make_recipe("hybrid", deep_gemm=True), compile_mode)
+    ref, _, _ = run(parse_recipe(base), compile_mode)
+    got, fn, x = run(parse_recipe(base + "+deep_gemm"), compile_mode)
     for a, b in zip(got, ref):
         assert torch.equal(a, b)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -610,6 +613,45 @@ def test_deep_gemm_route_equals_cublas_on_cuda(mode):
         torch.cuda.synchronize()
     names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     assert any("fp8_gemm_1d2d" in n for n in names), sorted(set(names))[:20]
+
+
+_FIRST_USE_IN_GRAPHS = """
+import sys, torch
+from fp8train import convert_to_fp8
+from fp8train.fp8 import convert, gemm
+from fp8train.fp8.recipe import parse_recipe
+if sys.argv[1] == "without-init":  # DeepGEMM's device state left to its first GEMM, as before the fix
+    import deep_gemm
+    convert.load_deep_gemm = gemm.load_deep_gemm = lambda: deep_gemm
+m = torch.nn.Sequential(torch.nn.Linear(1024, 2048, bias=False), torch.nn.Linear(2048, 1024, bias=False)).cuda()
+convert_to_fp8(m, parse_recipe("hybrid+deep_gemm"), module_filter_fn=lambda mod, fqn: True)
+fn = torch.compile(m, mode="reduce-overhead")
+for _ in range(4):
+    x = torch.randn(2048, 1024, device="cuda", requires_grad=True)
+    with torch.autocast("cuda", torch.bfloat16):
+        fn(x).float().square().mean().backward()
+torch.cuda.synchronize()
+print("ok")
+"""
+
+
+@pytest.mark.skipif(not _deep_gemm_importable(), reason="needs DeepGEMM (the recipe's deep_gemm; docs/benchmarks.md)")
+def test_deep_gemm_first_used_inside_cuda_graphs():
+    """DeepGEMM's first GEMM of the process inside a CUDA graph's warm-up (a layer compiled with CUDA graphs):
+    its device state (a workspace tensor kept for the process) must already exist, made by convert_to_fp8, or
+    it lands in the graph's pool, which cudagraph trees refuse. A fresh process, as a training run is; the
+    run without the early state shows what the test guards (it fails where that DeepGEMM allocates lazily)."""
+    import subprocess
+    import sys
+
+    def run(arm):
+        return subprocess.run([sys.executable, "-c", _FIRST_USE_IN_GRAPHS, arm], capture_output=True, text=True,
+                              timeout=600)
+
+    r = run("with-init")
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]
+    before = run("without-init")
+    print("without the early device state:", "ok" if before.returncode == 0 else before.stderr.strip().splitlines()[-1])
 
 
 def test_triton_adamw_on_cuda_equals_its_reference_on_cpu():

@@ -107,12 +107,19 @@ def _(a, b, scale_a, recipe_a, scale_b, recipe_b, out_dtype):
 
 @functools.cache
 def load_deep_gemm():
-    """The `deep_gemm` module, or a ValueError naming the recipe key and the install."""
+    """The `deep_gemm` module with its device state made, or a ValueError naming the recipe key and the install.
+
+    DeepGEMM makes its device state on first use, a cuBLASLt workspace tensor kept for the life of the process.
+    Made in a CUDA graph's warm-up (the first GEMM of a layer compiled with CUDA graphs), that tensor lives in the
+    graph's memory pool, which cudagraph trees refuse ("tensor(s) in the cudagraph pool not tracked as outputs");
+    so it is made here, where the trainer and convert_to_fp8 call this, before any graph."""
     try:
         import deep_gemm
     except ImportError as e:
         raise ValueError(f"config key 'deep_gemm' is true but DeepGEMM does not import ({e}); build it from "
                          "github.com/deepseek-ai/DeepGEMM as docs/benchmarks.md says, or set deep_gemm: false") from None
+    if torch.cuda.is_available():
+        deep_gemm.get_num_sms()  # (its device state: the workspace, on the current device)
     return deep_gemm
 
 

@@ -86,7 +86,8 @@ def convert_to_fp8(
     module_filter_fn(module, fqn) -> bool picks the Linears to convert; the default picks the decoder
     projections (q/k/v/o, gate/up/down). `bf16_layers` keeps the listed decoder layers (indices into
     `model.model.layers`; -1 is the last) entirely in BF16. The LM head is never converted. Returns a report
-    of what was converted and why the rest was skipped. With recipe "bf16" nothing is converted.
+    of what was converted and why the rest was skipped. With recipe "bf16" nothing is converted. A recipe with
+    `deep_gemm` on a model on CUDA loads DeepGEMM here (`load_deep_gemm`: a ValueError if it does not import).
     """
     recipe = make_recipe(recipe)
     report = ConversionReport(recipe.spec)

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 import fidelity as fid  # benchmarks/ is on sys.path: the folder of the script, or tests/_benchmarks.py
-from fp8train.fp8.recipe import GemmConfig, OperandConfig, make_recipe, parse_recipe
+from fp8train.fp8.recipe import Fp8Recipe, GemmConfig, OperandConfig, parse_recipe
 
 
 def main() -> None:
@@ -37,18 +37,20 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     base, tokenizer = fid.load_gguf(Path(args.gguf), None)
-    hybrid = replace(make_recipe("hybrid"), emulate=True)
-    blocks = parse_recipe("hybrid+wgrad_blocks").grad_weight
+    def arm(spec: str) -> Fp8Recipe:  # the recipe a `fp8train bench` variant names, emulated on the CPU
+        return replace(parse_recipe(spec + ("+exact" if args.exact else "")), emulate=True)
+
     high = GemmConfig(OperandConfig(None, None), OperandConfig(None, None))  # a BF16 GEMM
-    wgrad_only = replace(hybrid, output=high, grad_input=high)
+    hybrid, blocks = arm("hybrid"), arm("hybrid+wgrad_blocks")
     recipes = {"hybrid (input.T from BF16)": hybrid,
-               "hybrid, wgrad_input_from_fp8": replace(hybrid, wgrad_input_from_fp8=True),
-               "hybrid, swiglu_inputs_fp8": replace(hybrid, swiglu_inputs_fp8=True),
-               "hybrid, wgrad_blocks": replace(hybrid, grad_weight=blocks),
-               "FP8 grad_weight only: input.T in token tiles": wgrad_only,
-               "FP8 grad_weight only: input.T in 128x128 blocks (wgrad_blocks)": replace(wgrad_only, grad_weight=blocks)}
+               "hybrid, wgrad_input_from_fp8": arm("hybrid+wgrad_from_fp8"),
+               "hybrid, swiglu_inputs_fp8": arm("hybrid+swiglu_fp8"),
+               "hybrid, wgrad_blocks": blocks,
+               "FP8 grad_weight only: input.T in token tiles": replace(hybrid, output=high, grad_input=high),
+               "FP8 grad_weight only: input.T in 128x128 blocks (wgrad_blocks)": replace(blocks, output=high,
+                                                                                          grad_input=high)}
     if args.exact:
-        recipes = {f"{name}, exact scales": replace(r, pow2_scale=False) for name, r in recipes.items()}
+        recipes = {f"{name}, exact scales": r for name, r in recipes.items()}
     files = fid.corpus_files(0)
     results: dict[str, list[dict]] = {name: [] for name in ("bf16", *recipes)}
     for b in range(args.batches):

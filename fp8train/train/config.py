@@ -158,14 +158,15 @@ class TrainConfig:
     """torchrun + FSDP2 options (section); ignored in a single process."""
 
     def fp8_recipe(self) -> Fp8Recipe:
-        """The frozen recipe that `recipe` and its knobs name; ConfigError where they do not combine (make_recipe
-        refuses `wgrad_blocks` on a recipe other than hybrid, its only ValueError for a name the schema accepted)."""
+        """The frozen recipe that `recipe` and its knobs name; ConfigError naming the key where they do not
+        combine (make_recipe refuses `wgrad_blocks` on a recipe other than hybrid) or the name is unknown."""
+        keys = ("wgrad_blocks", "recipe") if self.wgrad_blocks else ("recipe",)
         try:
             return make_recipe(self.recipe, pow2_scale=self.pow2_scale, swiglu_inputs_fp8=self.swiglu_inputs_fp8,
                                deep_gemm=self.deep_gemm, fuse_swiglu=self.fuse_swiglu,
                                input_t_in_backward=self.input_t_in_backward, wgrad_blocks=self.wgrad_blocks or None)
         except ValueError as e:
-            raise ConfigError(f"config key 'wgrad_blocks': {e}", ("wgrad_blocks", "recipe")) from None
+            raise ConfigError(f"config key '{keys[0]}': {e}", keys) from None
 
     def validate(self, world_size: int = 1) -> None:
         """Cross-field checks; the trainer calls it again with the real world size."""

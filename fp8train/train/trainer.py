@@ -178,7 +178,8 @@ class Trainer:
         self.model.to(self.device)
         if cfg.train.packed_attention == "flex" and self.device.type == "cuda":  # flex has no CPU backward
             use_packed_attention(self.model)
-        self.fp8_report = convert_to_fp8(self.model, cfg.fp8_recipe(), bf16_layers=cfg.bf16_layers)
+        self.recipe = cfg.fp8_recipe()
+        self.fp8_report = convert_to_fp8(self.model, self.recipe, bf16_layers=cfg.bf16_layers)
         self.model = apply_lora(self.model, cfg.model.lora, sharded=self.world.sharded)  # after FP8: base = FP8Linear
         parallelize_model(self.model, activation_checkpointing=cfg.train.activation_checkpointing,
                           compile=cfg.train.compile, cuda_graphs=cfg.train.cuda_graphs,
@@ -451,7 +452,7 @@ class Trainer:
         for the host between them. A step that evaluates, saves, tracks FP8 health or ends the run is
         finished before the next begins, so that it sees the model of exactly its step."""
         t = self.cfg.train
-        fp8 = self.cfg.fp8_recipe().enabled
+        fp8 = self.recipe.enabled
         throughput = Throughput(self.device, peak_tflops(self.device, fp8), self.world.world_size)
         in_flight = None
         while self.step < self.total_steps:

@@ -37,6 +37,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     base, tokenizer = fid.load_gguf(Path(args.gguf), None)
+
     def arm(spec: str) -> Fp8Recipe:  # the recipe a `fp8train bench` variant names, emulated on the CPU
         return replace(parse_recipe(spec + ("+exact" if args.exact else "")), emulate=True)
 

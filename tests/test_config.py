@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -136,6 +137,19 @@ def test_wgrad_blocks_only_with_hybrid():
             load_config(None, CPT + ["wgrad_blocks=true", f"recipe={recipe}"])
     for recipe in ("hybrid", "bf16"):  # bf16 (the comparison arm of the same config): nothing in FP8 to change
         assert load_config(None, CPT + ["wgrad_blocks=true", f"recipe={recipe}"]).wgrad_blocks
+
+
+def test_fp8_recipe_names_the_key_that_failed():
+    """A recipe name the schema would refuse, set in code: the error names `recipe`, not `wgrad_blocks`."""
+    cfg = dataclasses.replace(load_config(None, CPT), recipe="fp4")
+    with pytest.raises(ConfigError, match=r"config key 'recipe': unknown FP8 recipe 'fp4'") as e:
+        cfg.fp8_recipe()
+    assert e.value.keys == ("recipe",)
+    cfg = dataclasses.replace(load_config(None, CPT), recipe="tensorwise", wgrad_blocks=True)
+    with pytest.raises(ConfigError, match=r"config key 'wgrad_blocks'") as e:
+        cfg.fp8_recipe()
+    assert e.value.keys == ("wgrad_blocks", "recipe")
+    assert load_config(None, CPT + ["wgrad_blocks=true"]).fp8_recipe().grad_weight.b.block == (128, 128)
 
 
 def test_missing_and_inconsistent_sections():

@@ -311,8 +311,10 @@ def run_case(case: BenchCase, *, steps: int = 5, warmup: int = 2, device: str = 
     if base.startswith("torchao-"):
         _convert_torchao(model, base.split("-", 1)[1])
         recipe = "bf16"
-    elif custom is not None:  # the trainer finds the Linears converted already
-        fp8_layers = len(convert_to_fp8(model, custom).converted)
+    elif custom is not None:  # the trainer finds the Linears converted already (its log names the base recipe)
+        report = convert_to_fp8(model, custom)
+        print(report, flush=True)
+        fp8_layers = len(report.converted)
     vocab, seq = model.config.vocab_size, case.seq
     g = torch.Generator().manual_seed(1)
     doc_len = -(-seq // case.docs)

@@ -69,6 +69,8 @@ def test_variant_modifiers(capsys):
     res = {v: run_case(BenchCase("tiny-qwen2", None, 64, v, "eager", 512), steps=1, warmup=1, device="cpu")
            for v in variants}
     assert all(r["fp8_layers"] == 14 for r in res.values()), res
+    out = capsys.readouterr().out  # the bench names the recipe it converted with (the trainer, its base's)
+    assert "fp8train: recipe hybrid+wgrad_from_fp8+swiglu_fp8: 14 Linear layers in FP8" in out, out[-2000:]
     assert all(r["step_ms_range"][0] <= r["step_ms"] <= r["step_ms_range"][1] for r in res.values()), res
     for v in variants[1:]:
         assert res[v]["loss_first"] == res["hybrid"]["loss_first"], v  # the same forward

@@ -151,7 +151,8 @@ class Trainer:
         self.run_dir = Path(cfg.run_dir)
         self.ckpt_root = self.run_dir / "checkpoints"
         self.device = _pick_device(cfg.device)
-        if cfg.deep_gemm and self.device.type == "cuda":
+        self.recipe = cfg.fp8_recipe()
+        if self.recipe.deep_gemm and self.device.type == "cuda":
             load_deep_gemm()  # a missing DeepGEMM fails here, before anything is built or written
         self.dtype = torch.bfloat16
         _check_run_dir(self.run_dir)
@@ -178,7 +179,6 @@ class Trainer:
         self.model.to(self.device)
         if cfg.train.packed_attention == "flex" and self.device.type == "cuda":  # flex has no CPU backward
             use_packed_attention(self.model)
-        self.recipe = cfg.fp8_recipe()
         self.fp8_report = convert_to_fp8(self.model, self.recipe, bf16_layers=cfg.bf16_layers)
         self.model = apply_lora(self.model, cfg.model.lora, sharded=self.world.sharded)  # after FP8: base = FP8Linear
         parallelize_model(self.model, activation_checkpointing=cfg.train.activation_checkpointing,

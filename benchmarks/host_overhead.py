@@ -49,7 +49,7 @@ def pieces() -> list[tuple[str, float]]:
     xr, xr_s, xc, xc_s = o.quantize_input(x, plan, True)
     wq, wq_s = o.quantize_weight(w, plan.w, True, False, True)
     fwd = (xr, xr_s, w, None, None, plan.key, torch.bfloat16)
-    bwd = (dy, w, None, None, xc, xc_s, plan.key, True, True, torch.bfloat16)
+    bwd = (dy, w, None, None, None, None, xc, xc_s, plan.key, True, True, torch.bfloat16)
     ST = F.ScalingType
     return [
         ("torch.empty x4", _per_call_us(lambda: [torch.empty(256, 1536, device="cuda") for _ in range(4)])),

@@ -16,7 +16,8 @@ A variant may carry recipe modifiers, for A/B runs in one process: `hybrid+wgrad
 producers, hybrid's default; `+fused` turns it on for the other recipes), `hybrid+t_bwd` (`input_t_in_backward`:
 grad_weight's input.T made in the backward instead of saved), `hybrid+wgrad_blocks` (grad_weight's input.T in
 128x128 blocks: grad_weight on cuBLAS's tile x block kernel); `+held` is the trainer's `hold_fp8_weights` (each
-weight's FP8 copy written by the optimizer's step, no weight quantized in a step).
+weight's FP8 copy written by the optimizer's step, no weight quantized in a step) and, with `--lora`, `+keep_t`
+the trainer's `model.lora.keep_weight_t` (the frozen base keeps W.T's FP8 operand too: no backward transposes W).
 `compiled` applies torch.compile to each decoder layer, for every variant alike (the trainer's
 `train.compile`); `cudagraphs` also replays each layer as CUDA graphs (`train.cuda_graphs`). Steps run as the
 trainer's loop runs them, each enqueued before the last is read (`Trainer.enqueue_step`); a step's time is from
@@ -271,18 +272,21 @@ def _seconds(a, b) -> float:
     return b - a if isinstance(a, float) else a.elapsed_time(b) / 1e3
 
 
-def parse_variant(name: str) -> tuple[str, Fp8Recipe | None, bool]:
-    """(base variant, Fp8Recipe or None, held) of a variant name with recipe modifiers (`hybrid+wgrad_from_fp8`:
-    `fp8train.parse_recipe`'s spelling; None: the trainer builds the base's recipe itself) and `+held` (the
-    trainer's `hold_fp8_weights`)."""
+_TRAINER_MODIFIERS = ("held", "keep_t")  # `+held`: hold_fp8_weights; `+keep_t`: model.lora.keep_weight_t
+
+
+def parse_variant(name: str) -> tuple[str, Fp8Recipe | None, frozenset[str]]:
+    """(base variant, Fp8Recipe or None, trainer modifiers) of a variant name with recipe modifiers
+    (`hybrid+wgrad_from_fp8`: `fp8train.parse_recipe`'s spelling; None: the trainer builds the base's recipe
+    itself) and the trainer's (`_TRAINER_MODIFIERS`: `+held`, `+keep_t`)."""
     base, *mods = name.split("+")
-    held = "held" in mods
-    mods = [m for m in mods if m != "held"]
-    if base not in VARIANTS or ((mods or held) and (base.startswith("torchao-") or base == "bf16")) \
+    trainer = frozenset(m for m in mods if m in _TRAINER_MODIFIERS)
+    mods = [m for m in mods if m not in _TRAINER_MODIFIERS]
+    if base not in VARIANTS or ((mods or trainer) and (base.startswith("torchao-") or base == "bf16")) \
             or any(m not in MODIFIERS for m in mods):
         raise ValueError(f"unknown variant {name!r}: one of {list(VARIANTS)}, fp8train's recipes optionally with "
-                         f"{['+' + m for m in (*MODIFIERS, 'held')]}")
-    return base, parse_recipe("+".join([base, *mods])) if mods else None, held
+                         f"{['+' + m for m in (*MODIFIERS, *_TRAINER_MODIFIERS)]}")
+    return base, parse_recipe("+".join([base, *mods])) if mods else None, trainer
 
 
 def run_case(case: BenchCase, *, steps: int = 5, warmup: int = 2, device: str = "cuda", profile: bool = False,
@@ -300,10 +304,13 @@ def run_case(case: BenchCase, *, steps: int = 5, warmup: int = 2, device: str = 
 
     import torch._dynamo
 
-    base, custom, held = parse_variant(case.variant)
+    base, custom, trainer_mods = parse_variant(case.variant)
+    if "keep_t" in trainer_mods and not case.lora:
+        raise ValueError(f"variant {case.variant!r}: +keep_t is for a frozen base (--lora)")
     torch._dynamo.reset()  # every case compiles afresh: no recompile limit, no shapes made dynamic by earlier cases
     vocab = case.vocab or (None if PRESETS[case.model]["vocab_size"] else 151936)
-    mcfg = ModelConfig(source=case.model, num_layers=case.layers, vocab_size=vocab, lora=LoraConfig(rank=case.lora))
+    lora = LoraConfig(rank=case.lora, keep_weight_t="keep_t" in trainer_mods)
+    mcfg = ModelConfig(source=case.model, num_layers=case.layers, vocab_size=vocab, lora=lora)
     torch.manual_seed(0)
     with torch.device(device):
         model = build_model(mcfg)
@@ -324,7 +331,7 @@ def run_case(case: BenchCase, *, steps: int = 5, warmup: int = 2, device: str = 
              "labels": ids.masked_fill(prompt, -100), "position_ids": positions} for _ in range(steps + warmup)]
     cfg = TrainConfig(stage="cpt", data=CptDataConfig(paths=["(synthetic)"], seq_len=seq),
                       run_dir=tempfile.mkdtemp(prefix=f"fp8train-bench-{case.variant}-"), resume="none",
-                      device=device, recipe=recipe, model=mcfg, hold_fp8_weights=held,
+                      device=device, recipe=recipe, model=mcfg, hold_fp8_weights="held" in trainer_mods,
                       optim=OptimConfig(lr=1e-5, min_lr=1e-6, schedule="constant", impl=case.optim_impl),
                       train=LoopConfig(steps=steps + warmup, global_batch=1, micro_batch=1, compile=case.mode != "eager",
                                        cuda_graphs=case.mode == "cudagraphs", loss_impl=case.loss_impl,
@@ -525,7 +532,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                    help="LoRA adapters of this rank on the frozen base (model.lora.rank; 0: full training)")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), metavar="VARIANT",
                    help=f"{', '.join(VARIANTS)}; modifiers: "
-                        f"{', '.join('+' + m for m in (*MODIFIERS, 'held'))} (see above)")
+                        f"{', '.join('+' + m for m in (*MODIFIERS, *_TRAINER_MODIFIERS))} (see above)")
     p.add_argument("--modes", nargs="+", default=["compiled"], choices=MODES,
                    help="compiled: torch.compile per layer; cudagraphs: also CUDA graphs (no per-kernel launch cost)")
     p.add_argument("--steps", type=int, default=5, help="timed steps (median)")

@@ -62,8 +62,9 @@ def test_variant_modifiers(capsys):
     assert parse_variant("hybrid+exact+deep_gemm")[1] == make_recipe("hybrid", pow2_scale=False, deep_gemm=True)
     assert parse_variant("tensorwise+fused")[1] == make_recipe("tensorwise", fuse_swiglu=True)
     assert parse_variant("hybrid+unfused")[1] == make_recipe("hybrid", fuse_swiglu=False) != make_recipe("hybrid")
-    assert parse_variant("hybrid+held") == ("hybrid", None, True)  # the trainer's hold_fp8_weights
-    assert parse_variant("hybrid+exact+held")[1:] == (make_recipe("hybrid", pow2_scale=False), True)
+    assert parse_variant("hybrid+held") == ("hybrid", None, {"held"})  # the trainer's hold_fp8_weights
+    assert parse_variant("hybrid+exact+held")[1:] == (make_recipe("hybrid", pow2_scale=False), {"held"})
+    assert parse_variant("hybrid+keep_t+deep_gemm")[1:] == (make_recipe("hybrid", deep_gemm=True), {"keep_t"})
     with pytest.raises(ValueError, match="held"):
         parse_variant("bf16+held")
     res = {v: run_case(BenchCase("tiny-qwen2", None, 64, v, "eager", 512), steps=1, warmup=1, device="cpu")
@@ -116,6 +117,12 @@ def test_lora_trains_only_the_adapters_on_the_frozen_fp8_base(capsys):
            for r in (0, 8) for v in ("bf16", "hybrid")]
     assert [r["lora"] for r in res] == [0, 0, 8, 8] and res[3]["fp8_layers"] == 14
     assert all(r["loss_last"] != r["loss_first"] for r in res)  # the adapters train
+    # +keep_t (the base keeps W.T too) computes the same steps bit for bit; without LoRA it is refused
+    kept = run_case(BenchCase("tiny-qwen2", None, 64, "hybrid+keep_t", "eager", 512, lora=8), steps=2, warmup=1,
+                    device="cpu")
+    assert (kept["loss_first"], kept["loss_last"]) == (res[3]["loss_first"], res[3]["loss_last"])
+    with pytest.raises(ValueError, match="keep_t"):
+        run_case(BenchCase("tiny-qwen2", None, 64, "hybrid+keep_t", "eager", 512), steps=1, warmup=0, device="cpu")
     table = markdown_table(res)
     assert "hybrid (LoRA r=8)" in table and table.count("| 1.000 |") == 2
     cfg = build_model(ModelConfig(source="tiny-qwen2", vocab_size=512)).config

@@ -273,11 +273,12 @@ def test_inductor_compiled_fp8_layers_equal_eager_on_cuda(recipe):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("keep_t", [False, True])
 @pytest.mark.parametrize("mode", ["eager", "default", "reduce-overhead"])
-def test_frozen_offloaded_weights_on_cuda(mode):
-    """LoRA's base (`freeze_fp8_weights(offload=True)`): the GPU holds 1 byte per weight instead of 4, the
-    weights wait on the CPU, and eager, inductor and CUDA graphs (no graph skipped for the CPU weights) give
-    the every-step quantization's y and dx bit for bit."""
+def test_frozen_offloaded_weights_on_cuda(mode, keep_t):
+    """LoRA's base (`freeze_fp8_weights(offload=True)`): the GPU holds 1 byte per weight instead of 4 (2 with
+    `keep_t`: W.T's operand kept too), the weights wait on the CPU, and eager, inductor and CUDA graphs (no
+    graph skipped for the CPU weights) give the every-step quantization's y and dx bit for bit."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
@@ -301,10 +302,12 @@ def test_frozen_offloaded_weights_on_cuda(mode):
 
     ref = run(m)
     before = torch.cuda.memory_allocated()
-    with freeze_fp8_weights(m, offload=True) as n:
+    with freeze_fp8_weights(m, offload=True, keep_t=keep_t) as n:
         assert n == 2 and all(p.device.type == "cpu" for p in m.parameters())
         freed = before - torch.cuda.memory_allocated()
-        assert freed >= 3 * 2 * 1536 * 8960 - 2**20, freed  # 4 bytes per weight -> 1 (plus block scales)
+        kept = 2 if keep_t else 1  # bytes per weight kept on the GPU (plus block scales)
+        assert freed >= (4 - kept) * 2 * 1536 * 8960 - 2**20, freed
+        assert freed < (4 - kept) * 2 * 1536 * 8960 + 2**20, freed
         fn = m if mode == "eager" else torch.compile(m, mode=None if mode == "default" else mode)
         for _ in range(3):
             got = run(fn)

@@ -212,13 +212,15 @@ def test_trainer_with_torch_compile(setup, reference, tmp_path_factory):
 def test_sft_trainer_tokenizes_and_trains_a_converted_lora_model(setup, tmp_path, monkeypatch):
     """The way SFT users run it: TRL tokenizes a conversational prompt/completion dataset itself, PEFT wraps
     the converted model (peft_config=...): the FP8 base stays frozen and unchanged, the adapters learn, and
-    the callback quantizes each base weight once for the run, handing the layers back plain at the end."""
+    the callback quantizes each base weight once for the run (and with `keep_frozen_t` transposes it once),
+    handing the layers back plain at the end."""
     peft = pytest.importorskip("peft")
     from fp8train.fp8 import ops
 
-    calls = []
-    real = ops.quantize_weight
+    calls, transposes = [], []
+    real, real_t = ops.quantize_weight, ops.transpose_weight
     monkeypatch.setattr(ops, "quantize_weight", lambda *a: calls.append(a[3]) or real(*a))
+    monkeypatch.setattr(ops, "transpose_weight", lambda *a: transposes.append(a[2]) or real_t(*a))
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
@@ -232,11 +234,12 @@ def test_sft_trainer_tokenizes_and_trains_a_converted_lora_model(setup, tmp_path
     trainer = SFTTrainer(model=model, args=args, train_dataset=data, processing_class=setup[0],
                          peft_config=peft.LoraConfig(r=8, lora_alpha=16, target_modules="all-linear",
                                                      lora_dropout=0.0))
-    trainer.add_callback(FP8TrainerCallback(trainer, health_every=3, offload_frozen=True))
+    trainer.add_callback(FP8TrainerCallback(trainer, health_every=3, offload_frozen=True, keep_frozen_t=True))
     trainer.train()
     wrapped = trainer.model
     layers = [m for m in wrapped.modules() if isinstance(m, FP8Linear)]
     assert len(layers) == 14 and calls == [False] * 14 and not any(m.frozen for m in layers)
+    assert len(transposes) == 14, "W.T made once a layer (keep_frozen_t), never in a backward"
     assert isinstance(wrapped.get_submodule("base_model.model.model.layers.0.self_attn.q_proj.base_layer"), FP8Linear)
     losses = _losses(trainer)
     assert losses[-1] < losses[0] - 0.5, losses

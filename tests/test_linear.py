@@ -266,6 +266,35 @@ def test_frozen_weight_quantized_once_same_numbers(recipe, monkeypatch):
         FP8Linear.from_linear(torch.nn.Linear(128, 128), "hybrid").freeze_weight(True)
 
 
+@pytest.mark.parametrize("recipe", ["hybrid", "tensorwise"])
+def test_frozen_weight_keeps_its_transpose(recipe, monkeypatch):
+    """`keep_t`: a frozen weight's W.T operand kept beside W's, made once (the copy's exact transpose), gives the
+    same y and dx bit for bit, eagerly and compiled, and no backward transposes or quantizes W again; grad_input
+    reads the kept W.T (changed, dx changes). Asked of a layer frozen already (weight offloaded), it is added."""
+    from fp8train import freeze_fp8_weights
+
+    _, m, x, g = _setup(recipe, outliers=True)
+    m.weight.requires_grad_(False)
+    ref = _run(m, x, g)
+    plan = m.plan(m.weight)
+    with freeze_fp8_weights(m, offload=True):  # frozen without W.T, then asked again with it
+        assert m._fp8_w_t is None and m.freeze_weight(True, keep_t=True) and "with W.T" in repr(m)
+        want = ops.transpose_weight(m._fp8_w, m._fp8_w_scale, plan, m.in_features)
+        assert torch.equal(m._fp8_w_t.view(torch.uint8), want[0].view(torch.uint8))
+        assert torch.equal(m._fp8_w_t_scale, want[1]) and m._fp8_w_t.shape == (384, 256)
+        calls = []
+        for name in ("quantize_weight", "transpose_weight"):
+            real = getattr(ops, name)
+            monkeypatch.setattr(ops, name, lambda *a, _n=name, _f=real: calls.append(_n) or _f(*a))
+        for fn in (m, torch.compile(m, backend="aot_eager")):
+            got = _run(fn, x, g)
+            assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+        assert calls == [], "W.T neither transposed nor quantized in a backward"
+        m._fp8_w_t_scale.mul_(2.0)  # the kept copy is what grad_input reads
+        assert torch.equal(_run(m, x, g)[1], 2 * ref[1])
+    assert not m.frozen and m._fp8_w_t is None and m._fp8_w_t_scale is None and m.weight.device.type == "cpu"
+
+
 def test_frozen_weight_not_kept_where_w_t_is_no_transpose():
     """Row-wise scales of W are not W.T's: such a layer keeps quantizing its weight (freeze_weight says False)."""
     _, m, x, g = _setup("rowwise")

@@ -162,15 +162,17 @@ def cache_fp8_weights(model: nn.Module) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def freeze_fp8_weights(model: nn.Module, *, offload: bool = False) -> Iterator[int]:
+def freeze_fp8_weights(model: nn.Module, *, offload: bool = False, keep_t: bool = False) -> Iterator[int]:
     """Keep each frozen FP8Linear weight (requires_grad False: LoRA's base) in FP8 for everything inside the
     context: quantized once, not in every forward and backward; with `offload`, the high-precision weights
-    wait in host memory meanwhile (the GPU holds 1 byte per parameter instead of 2 for BF16, 4 for FP32).
-    On exit the copies go and the weights come back. Yields how many layers were frozen.
+    wait in host memory meanwhile (the GPU holds 1 byte per parameter instead of 2 for BF16, 4 for FP32);
+    with `keep_t`, W.T's FP8 operand is kept too, 1 more byte per parameter, so that no backward transposes W
+    for grad_input (Hopper's FP8 GEMMs read both operands K-major). On exit the copies go and the weights
+    come back. Yields how many layers were frozen.
 
     The frozen weights must not change inside it (a PEFT merge, a load): exit first."""
     layers = [m for m in model.modules() if isinstance(m, FP8Linear) and not m.weight.requires_grad]
-    frozen = [m for m in layers if m.freeze_weight(True, offload=offload)]
+    frozen = [m for m in layers if m.freeze_weight(True, offload=offload, keep_t=keep_t)]
     try:
         yield len(frozen)
     finally:

@@ -7,7 +7,7 @@ compute). This module owns a layer's state, changed only through its methods:
     input cache     shared with its siblings (q/k/v, gate/up read one tensor: one quantization, eagerly)
     weight cache    `cache_weight(True)`: W quantized once for the micro-batches of one optimizer step
     frozen weight   `freeze_weight(True)`: a frozen W (LoRA's base) quantized once for good, W itself
-                    optionally moved to host memory
+                    optionally moved to host memory, W.T's operand optionally kept too (`keep_t`)
     held weight     `hold_weight(True)`: a W that trains, its FP8 operand kept between steps and rewritten
                     by the optimizer's step as it updates W (`TritonAdamW.write_fp8_blocks`)
     health          `track_health(True)`: underflow / saturation / scale range of its operands
@@ -55,41 +55,41 @@ def runs_on_cublas(x: Tensor, recipe: Fp8Recipe) -> bool:
 
 class _Fp8LinearFn(torch.autograd.Function):
     """y = x @ W.T + b from the input's FP8 rows (made by the caller). Saves for backward the weight
-    (W.T is re-made from it, or from `w`, W's given operand), `x_saved` (input.T's operand, the rows with the
+    (W.T is re-made from it, or from `w`, W's given operand, unless `w_t` is W.T's, kept), `x_saved` (input.T's operand, the rows with the
     plan's `x_t_from_fp8`, or with no scale the input itself: `input_t_later`) and the forward's health
     statistics."""
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, x_rows: Tensor, x_rows_scale: Tensor,
                 x_saved: Tensor | None, x_saved_scale: Tensor | None, w: Tensor | None, w_scale: Tensor | None,
-                health_sink: Tensor | None, health_stats: Tensor | None, plan: LinearPlan,
-                out_dtype: torch.dtype) -> Tensor:
+                w_t: Tensor | None, w_t_scale: Tensor | None, health_sink: Tensor | None,
+                health_stats: Tensor | None, plan: LinearPlan, out_dtype: torch.dtype) -> Tensor:
         y = ops.linear_forward(x_rows, x_rows_scale, weight.detach(), w, w_scale, plan, out_dtype)
         if bias is not None:
             y = y + bias.to(out_dtype)
         # save_for_backward (not ctx attributes) so activation checkpointing can drop and recompute them
-        ctx.save_for_backward(weight, w, w_scale, x_saved, x_saved_scale, health_stats)
+        ctx.save_for_backward(weight, w, w_scale, w_t, w_t_scale, x_saved, x_saved_scale, health_stats)
         ctx.plan, ctx.x_dtype, ctx.x_shape = plan, x.dtype, x.shape
         ctx.b_dtype = bias.dtype if bias is not None else None
         return y.view(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx, dy: Tensor):
-        weight, w, w_scale, x_saved, x_saved_scale, health_stats = ctx.saved_tensors
+        weight, w, w_scale, w_t, w_t_scale, x_saved, x_saved_scale, health_stats = ctx.saved_tensors
         p = ctx.plan
         dy2d = dy.reshape(-1, dy.shape[-1])
         want_dx = ctx.needs_input_grad[0]
         want_dw = ctx.needs_input_grad[1] and x_saved is not None
         if want_dw:
             x_saved, x_saved_scale = ops.saved_wgrad_input(p, x_saved, x_saved_scale)
-        dx, dw = ops.linear_backward(dy2d, weight.detach(), w, w_scale, x_saved, x_saved_scale, p, want_dx, want_dw,
-                                     ctx.x_dtype)
+        dx, dw = ops.linear_backward(dy2d, weight.detach(), w, w_scale, w_t, w_t_scale, x_saved, x_saved_scale, p,
+                                     want_dx, want_dw, ctx.x_dtype)
         db = dy2d.float().sum(0).to(ctx.b_dtype) if ctx.b_dtype is not None and ctx.needs_input_grad[2] else None
         sink = None
-        if ctx.needs_input_grad[9]:  # health tracking: the statistics leave as the sink's gradient
+        if ctx.needs_input_grad[11]:  # health tracking: the statistics leave as the sink's gradient
             sink = torch.cat([health_stats, operand_health_stats(dy2d, p.g, p.pow2)[None]])
         return (dx.view(ctx.x_shape) if want_dx else None, dw.to(weight.dtype) if want_dw else None, db,
-                None, None, None, None, None, None, sink, None, None, None)
+                None, None, None, None, None, None, None, None, sink, None, None, None)
 
 
 class FP8Linear(nn.Linear):
@@ -120,6 +120,8 @@ class FP8Linear(nn.Linear):
         # it is for, and whether W trains (held: the optimizer rewrites the copy) or not (frozen)
         self.register_buffer("_fp8_w", None, persistent=False)
         self.register_buffer("_fp8_w_scale", None, persistent=False)
+        self.register_buffer("_fp8_w_t", None, persistent=False)  # a frozen W's W.T operand (`keep_t`)
+        self.register_buffer("_fp8_w_t_scale", None, persistent=False)
         self.register_buffer("_fp8_w_health", None, persistent=False)  # a frozen W's health statistics, made once
         self._fp8_plan: str | None = None
         self._fp8_w_trains = False
@@ -141,11 +143,12 @@ class FP8Linear(nn.Linear):
         if not enabled:
             self._weight_cache = None
 
-    def freeze_weight(self, enabled: bool, *, offload: bool = False) -> bool:
+    def freeze_weight(self, enabled: bool, *, offload: bool = False, keep_t: bool = False) -> bool:
         """Quantize a frozen weight once and keep its FP8 operand for good (True): LoRA's base. Every forward
         uses it and grad_input's W.T is its exact transpose, so nothing reads the weight itself again; with
-        `offload` the weight moves to host memory (it stays the exact weight that checkpoints save). False
-        drops the copy and brings the weight back. Returns whether the layer is frozen: not where the
+        `offload` the weight moves to host memory (it stays the exact weight that checkpoints save); with
+        `keep_t` W.T's operand is kept too (1 more byte a weight), so no backward transposes W. False
+        drops the copies and brings the weight back. Returns whether the layer is frozen: not where the
         recipe's W.T is no transpose of W (row-wise scales), nor under FSDP (it refills the weight)."""
         if not enabled:
             if not self.frozen:
@@ -157,13 +160,16 @@ class FP8Linear(nn.Linear):
         if self.weight.requires_grad:
             raise ValueError("FP8Linear.freeze_weight: the weight requires grad; only a frozen weight can be kept in "
                              "FP8 (weight.requires_grad_(False) first)")
-        if self.frozen:  # already (its weight may be offloaded: keep the copy made where it lived)
-            return True
-        plan = self.plan(self.weight) if self.recipe.enabled else None
-        if plan is None or self._weight_refilled or not ops.weight_transposes(plan):
-            return False
-        self._keep_fp8_weight(plan, trains=False)
-        self._fp8_w_health = operand_health_stats(self.weight.detach(), plan.w, plan.pow2)
+        if not self.frozen:  # (else frozen already; its weight may be offloaded: keep the copy made where it lived)
+            plan = self.plan(self.weight) if self.recipe.enabled else None
+            if plan is None or self._weight_refilled or not ops.weight_transposes(plan):
+                return False
+            self._keep_fp8_weight(plan, trains=False)
+            self._fp8_w_health = operand_health_stats(self.weight.detach(), plan.w, plan.pow2)
+        if keep_t and self._fp8_w_t is None:  # W.T's operand: the copy's exact transpose
+            plan = LinearPlan.parse(self._fp8_plan)
+            self._fp8_w_t, self._fp8_w_t_scale = ops.transpose_weight(self._fp8_w, self._fp8_w_scale, plan,
+                                                                      self.in_features)
         if offload and self.weight.device.type != "cpu":
             self.weight = nn.Parameter(self.weight.detach().cpu(), requires_grad=False)
         return True
@@ -196,7 +202,8 @@ class FP8Linear(nn.Linear):
         self._fp8_plan, self._fp8_w_trains = plan.key, trains
 
     def _drop_fp8_weight(self) -> None:
-        self._fp8_w = self._fp8_w_scale = self._fp8_w_health = self._fp8_plan = None
+        self._fp8_w = self._fp8_w_scale = self._fp8_w_t = self._fp8_w_t_scale = self._fp8_w_health = None
+        self._fp8_plan = None
         self._fp8_w_trains = False
 
     @property
@@ -336,11 +343,11 @@ class FP8Linear(nn.Linear):
             w_stats = (self._fp8_w_health if self.frozen
                        else operand_health_stats(self.weight.detach(), plan.w, plan.pow2))
             stats = torch.stack([operand_health_stats(x2d.detach(), plan.x, plan.pow2), w_stats])
-        return _Fp8LinearFn.apply(x, weight, self.bias, x_rows, x_rows_scale, *x_saved, w, w_scale,
-                                  self._health_sink, stats, plan, out_dtype)
+        return _Fp8LinearFn.apply(x, weight, self.bias, x_rows, x_rows_scale, *x_saved, w, w_scale, self._fp8_w_t,
+                                  self._fp8_w_t_scale, self._health_sink, stats, plan, out_dtype)
 
     def extra_repr(self) -> str:
-        kept = ", frozen in FP8" if self.frozen else ", held in FP8" if self.held else ""
+        kept = (", frozen in FP8" + " with W.T" * (self._fp8_w_t is not None)) if self.frozen else ", held in FP8" if self.held else ""
         return f"{super().extra_repr()}, recipe={self.recipe.name.value}, pow2_scale={self.recipe.pow2_scale}{kept}"
 
 

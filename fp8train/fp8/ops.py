@@ -22,7 +22,8 @@ row-major and the contraction dimension last (the "operand layout", operands.py)
 What the forward saves for backward: the FP8 input.T (1 byte per element; or, with the recipe's
 `wgrad_input_from_fp8`, the FP8 input rows it already made; with `input_t_in_backward`, compiled, the input
 itself by reference, for the partitioner to recompute, and input.T is made in the backward), never an FP8 copy
-of the weight: W.T is quantized again (or transposed from the step's cached W) in the backward. Operands cross
+of the weight: W.T is quantized again in the backward, or transposed from W's copy where one is kept (the step's
+cache, a held or frozen weight), or kept itself beside a frozen W (`freeze_weight(keep_t=True)`). Operands cross
 the op boundary as (data, scale) pairs, their specs and the Linear's `LinearPlan` as strings (operands.py).
 
 Eagerly each entry point runs its implementation directly (no dispatcher cost). Under torch.compile on
@@ -176,29 +177,32 @@ def saved_wgrad_input(plan: LinearPlan, saved: Tensor, saved_scale: Tensor | Non
     return saved, saved_scale
 
 
-def _backward_impl(dy: Tensor, weight: Tensor, w: Tensor | None, w_scale: Tensor | None, x_saved: Tensor | None,
-                   x_saved_scale: Tensor | None, plan: str, want_dx: bool, want_dw: bool,
-                   dx_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+def _backward_impl(dy: Tensor, weight: Tensor, w: Tensor | None, w_scale: Tensor | None, w_t: Tensor | None,
+                   w_t_scale: Tensor | None, x_saved: Tensor | None, x_saved_scale: Tensor | None, plan: str,
+                   want_dx: bool, want_dw: bool, dx_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """grad_output quantized (rows; cols when dW is wanted), then grad_input and grad_weight (FP32)."""
     p = LinearPlan.parse(plan)
     g, g_scale, g_t, g_t_scale = _quantize_activation(dy, p.g, p.g_t, p.pow2, want_dw, p.cublas)
-    return _backward_gemms_impl(g, g_scale, g_t, g_t_scale, weight, w, w_scale, x_saved, x_saved_scale, plan, want_dx,
-                                want_dw, dx_dtype)
+    return _backward_gemms_impl(g, g_scale, g_t, g_t_scale, weight, w, w_scale, w_t, w_t_scale, x_saved,
+                                x_saved_scale, plan, want_dx, want_dw, dx_dtype)
 
 
 def _backward_gemms_impl(g: Tensor, g_scale: Tensor, g_t: Tensor, g_t_scale: Tensor, weight: Tensor, w: Tensor | None,
-                         w_scale: Tensor | None, x_saved: Tensor | None, x_saved_scale: Tensor | None, plan: str,
-                         want_dx: bool, want_dw: bool, dx_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+                         w_scale: Tensor | None, w_t: Tensor | None, w_t_scale: Tensor | None, x_saved: Tensor | None,
+                         x_saved_scale: Tensor | None, plan: str, want_dx: bool, want_dw: bool,
+                         dx_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """grad_input and grad_weight from grad_output's operands (rows g; cols g_t, when dW is wanted).
-    `x_saved` is input.T's operand, or the input rows with the plan's `x_t_from_fp8`; `w` is W's operand
-    when the forward was given one (W.T is then its transpose where that is exact)."""
+    `x_saved` is input.T's operand, or the input rows with the plan's `x_t_from_fp8`. W.T's operand is `w_t`
+    where one is kept (a frozen weight's, `keep_t`), else the transpose of `w`, W's operand, where the forward
+    was given one and that is exact, else quantized from the weight."""
     p = LinearPlan.parse(plan)
     dx = dw = g.new_empty(0, dtype=torch.float32)
     if want_dx:
-        w_t = transpose_weight(w, w_scale, p, weight.shape[1]) if w is not None else None
-        w_t = w_t or quantize_weight(weight, p.w_t, p.pow2, True, p.cublas)
+        wt = (w_t, w_t_scale) if w_t is not None else None
+        wt = wt or (transpose_weight(w, w_scale, p, weight.shape[1]) if w is not None else None)
+        wt = wt or quantize_weight(weight, p.w_t, p.pow2, True, p.cublas)
         # grad_input: dx [M, K] = dy [M, Np] @ W.T [K, Np].T
-        dx = gemm(g, g_scale, p.g, *w_t, p.w_t, dx_dtype, p.cublas, p.deep_gemm)
+        dx = gemm(g, g_scale, p.g, *wt, p.w_t, dx_dtype, p.cublas, p.deep_gemm)
     if want_dw:
         if p.x_t_from_fp8:  # dequantize the saved rows, transpose, re-quantize (DeepSeek-V3)
             rows = dequantize_operand(x_saved, x_saved_scale, p.x)[:, : weight.shape[1]]
@@ -280,14 +284,15 @@ def _(x_rows, x_rows_scale, weight, w, w_scale, plan, out_dtype):
 
 
 @torch.library.custom_op("fp8train::linear_backward", mutates_args=())
-def _backward_op(dy: Tensor, weight: Tensor, w: Tensor | None, w_scale: Tensor | None, x_saved: Tensor | None,
-                 x_saved_scale: Tensor | None, plan: str, want_dx: bool, want_dw: bool,
-                 dx_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    return _backward_impl(dy, weight, w, w_scale, x_saved, x_saved_scale, plan, want_dx, want_dw, dx_dtype)
+def _backward_op(dy: Tensor, weight: Tensor, w: Tensor | None, w_scale: Tensor | None, w_t: Tensor | None,
+                 w_t_scale: Tensor | None, x_saved: Tensor | None, x_saved_scale: Tensor | None, plan: str,
+                 want_dx: bool, want_dw: bool, dx_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    return _backward_impl(dy, weight, w, w_scale, w_t, w_t_scale, x_saved, x_saved_scale, plan, want_dx, want_dw,
+                          dx_dtype)
 
 
 @_backward_op.register_fake
-def _backward_fake(dy, weight, w, w_scale, x_saved, x_saved_scale, plan, want_dx, want_dw, dx_dtype):
+def _backward_fake(dy, weight, w, w_scale, w_t, w_t_scale, x_saved, x_saved_scale, plan, want_dx, want_dw, dx_dtype):
     dx = dy.new_empty((dy.shape[0], weight.shape[1]) if want_dx else (0,), dtype=dx_dtype if want_dx else torch.float32)
     dw = dy.new_empty(tuple(weight.shape) if want_dw else (0,), dtype=torch.float32)
     return dx, dw
@@ -295,15 +300,18 @@ def _backward_fake(dy, weight, w, w_scale, x_saved, x_saved_scale, plan, want_dx
 
 @torch.library.custom_op("fp8train::linear_backward_gemms", mutates_args=())
 def _backward_gemms_op(g: Tensor, g_scale: Tensor, g_t: Tensor, g_t_scale: Tensor, weight: Tensor, w: Tensor | None,
-                       w_scale: Tensor | None, x_saved: Tensor | None, x_saved_scale: Tensor | None, plan: str,
-                       want_dx: bool, want_dw: bool, dx_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    return _backward_gemms_impl(g, g_scale, g_t, g_t_scale, weight, w, w_scale, x_saved, x_saved_scale, plan, want_dx,
-                                want_dw, dx_dtype)
+                       w_scale: Tensor | None, w_t: Tensor | None, w_t_scale: Tensor | None, x_saved: Tensor | None,
+                       x_saved_scale: Tensor | None, plan: str, want_dx: bool, want_dw: bool,
+                       dx_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    return _backward_gemms_impl(g, g_scale, g_t, g_t_scale, weight, w, w_scale, w_t, w_t_scale, x_saved, x_saved_scale,
+                                plan, want_dx, want_dw, dx_dtype)
 
 
 @_backward_gemms_op.register_fake
-def _(g, g_scale, g_t, g_t_scale, weight, w, w_scale, x_saved, x_saved_scale, plan, want_dx, want_dw, dx_dtype):
-    return _backward_fake(g, weight, w, w_scale, x_saved, x_saved_scale, plan, want_dx, want_dw, dx_dtype)
+def _(g, g_scale, g_t, g_t_scale, weight, w, w_scale, w_t, w_t_scale, x_saved, x_saved_scale, plan, want_dx, want_dw,
+      dx_dtype):
+    return _backward_fake(g, weight, w, w_scale, w_t, w_t_scale, x_saved, x_saved_scale, plan, want_dx, want_dw,
+                          dx_dtype)
 
 
 @torch.library.custom_op("fp8train::quantize_swiglu", mutates_args=())
@@ -348,21 +356,23 @@ def linear_forward(x_rows: Tensor, x_rows_scale: Tensor, weight: Tensor, w: Tens
                                                              out_dtype)
 
 
-def linear_backward(dy: Tensor, weight: Tensor, w: Tensor | None, w_scale: Tensor | None, x_saved: Tensor | None,
-                    x_saved_scale: Tensor | None, plan: LinearPlan, want_dx: bool, want_dw: bool,
-                    dx_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """grad_input (in dx_dtype; empty unless wanted) and grad_weight (FP32; empty unless wanted)."""
-    return (_backward_op if _opaque(plan) else _backward_impl)(dy, weight, w, w_scale, x_saved, x_saved_scale,
-                                                               plan.key, want_dx, want_dw, dx_dtype)
+def linear_backward(dy: Tensor, weight: Tensor, w: Tensor | None, w_scale: Tensor | None, w_t: Tensor | None,
+                    w_t_scale: Tensor | None, x_saved: Tensor | None, x_saved_scale: Tensor | None, plan: LinearPlan,
+                    want_dx: bool, want_dw: bool, dx_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """grad_input (in dx_dtype; empty unless wanted) and grad_weight (FP32; empty unless wanted). W.T's operand:
+    `w_t` where kept, else made from `w` (W's operand) or the weight (`_backward_gemms_impl`)."""
+    return (_backward_op if _opaque(plan) else _backward_impl)(dy, weight, w, w_scale, w_t, w_t_scale, x_saved,
+                                                               x_saved_scale, plan.key, want_dx, want_dw, dx_dtype)
 
 
 def linear_backward_gemms(g: Tensor, g_scale: Tensor, g_t: Tensor, g_t_scale: Tensor, weight: Tensor,
-                          w: Tensor | None, w_scale: Tensor | None, x_saved: Tensor | None,
-                          x_saved_scale: Tensor | None, plan: LinearPlan, want_dx: bool, want_dw: bool,
-                          dx_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+                          w: Tensor | None, w_scale: Tensor | None, w_t: Tensor | None, w_t_scale: Tensor | None,
+                          x_saved: Tensor | None, x_saved_scale: Tensor | None, plan: LinearPlan, want_dx: bool,
+                          want_dw: bool, dx_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """`linear_backward` from grad_output's operands made by its producer (`quantize_swiglu_grads`)."""
     return (_backward_gemms_op if _opaque(plan) else _backward_gemms_impl)(
-        g, g_scale, g_t, g_t_scale, weight, w, w_scale, x_saved, x_saved_scale, plan.key, want_dx, want_dw, dx_dtype)
+        g, g_scale, g_t, g_t_scale, weight, w, w_scale, w_t, w_t_scale, x_saved, x_saved_scale, plan.key, want_dx,
+        want_dw, dx_dtype)
 
 
 def quantize_swiglu(g: Tensor, u: Tensor, plan: LinearPlan, make_cols: bool,

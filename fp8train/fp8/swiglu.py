@@ -129,13 +129,14 @@ class _SwiGLUMLPFn(torch.autograd.Function):
         if want_dwd and ctx.h_t_later:  # h.T's operand from g and u, as the forward would have made it
             h_saved, h_saved_scale = ops.quantize_swiglu(g, u, p, True, make_rows=False)[2:]
         # the down projection: dh (grad_input, in g's dtype, as autograd's would be) and its grad_weight
-        dh, dwd = ops.linear_backward(dy.reshape(-1, dy.shape[-1]), w_down.detach(), wd, wd_scale, h_saved,
-                                      h_saved_scale, p, True, want_dwd, ctx.gu_dtype)
+        # (no kept W.T: a frozen projection runs unfused)
+        dh, dwd = ops.linear_backward(dy.reshape(-1, dy.shape[-1]), w_down.detach(), wd, wd_scale, None, None,
+                                      h_saved, h_saved_scale, p, True, want_dwd, ctx.gu_dtype)
         grads = ops.quantize_swiglu_grads(dh.reshape(M, I), g, u, p, want_dwg or want_dwu)
-        dxg, dwg = ops.linear_backward_gemms(*grads[:4], w_gate.detach(), wg, wg_scale, x_saved, x_saved_scale, p,
-                                             want_dx, want_dwg, ctx.x_dtype)
-        dxu, dwu = ops.linear_backward_gemms(*grads[4:], w_up.detach(), wu, wu_scale, x_saved, x_saved_scale, p,
-                                             want_dx, want_dwu, ctx.x_dtype)
+        dxg, dwg = ops.linear_backward_gemms(*grads[:4], w_gate.detach(), wg, wg_scale, None, None, x_saved,
+                                             x_saved_scale, p, want_dx, want_dwg, ctx.x_dtype)
+        dxu, dwu = ops.linear_backward_gemms(*grads[4:], w_up.detach(), wu, wu_scale, None, None, x_saved,
+                                             x_saved_scale, p, want_dx, want_dwu, ctx.x_dtype)
         return ((dxg + dxu).view(ctx.x_shape) if want_dx else None, dwg.to(w_gate.dtype) if want_dwg else None,
                 dwu.to(w_up.dtype) if want_dwu else None, dwd.to(w_down.dtype) if want_dwd else None,
                 *([None] * 13))

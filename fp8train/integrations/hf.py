@@ -76,13 +76,15 @@ class FP8TrainerCallback(TrainerCallback):
       logs it through `Trainer.log`, so the console, TensorBoard, W&B, MLflow... get it (`health_scalars`);
     - with `torch_compile=True`, adds `fp8train.compile_options()` to the Trainer's compile;
     - while training, keeps frozen weights (a LoRA base) in FP8, made once (`freeze_fp8_weights`), with
-      `offload_frozen` their high-precision values in host memory.
+      `offload_frozen` their high-precision values in host memory, with `keep_frozen_t` their FP8 transposes
+      too (1 more byte a weight; no backward transposes them).
 
     All of it ends with training, normally or by an exception (it wraps `trainer.train`); `release()` ends it
     by hand (idempotent).
     """
 
-    def __init__(self, trainer: Trainer, *, health_every: int = 0, offload_frozen: bool = False):
+    def __init__(self, trainer: Trainer, *, health_every: int = 0, offload_frozen: bool = False,
+                 keep_frozen_t: bool = False):
         if isinstance(health_every, bool) or not isinstance(health_every, int) or health_every < 0:
             raise ValueError(f"FP8TrainerCallback: health_every must be an integer >= 0, got {health_every!r}")
         if not any(isinstance(m, FP8Linear) for m in trainer.model.modules()):
@@ -90,7 +92,7 @@ class FP8TrainerCallback(TrainerCallback):
                              "fp8train.integrations.hf.convert_for_training(model) before building the trainer")
         self._trainer = trainer
         self.health_every = health_every
-        self.offload_frozen = offload_frozen
+        self.offload_frozen, self.keep_frozen_t = offload_frozen, keep_frozen_t
         self._frozen = contextlib.ExitStack()
         self._cache = contextlib.ExitStack()
         self._health = contextlib.ExitStack()
@@ -108,7 +110,8 @@ class FP8TrainerCallback(TrainerCallback):
         trainer.train = train_then_release
 
     def on_train_begin(self, args, state, control, **kwargs):
-        self._frozen.enter_context(freeze_fp8_weights(self._trainer.model, offload=self.offload_frozen))
+        self._frozen.enter_context(freeze_fp8_weights(self._trainer.model, offload=self.offload_frozen,
+                                                      keep_t=self.keep_frozen_t))
 
     def on_step_begin(self, args, state, control, model=None, **kwargs):
         if args.gradient_accumulation_steps > 1:

@@ -5,7 +5,8 @@ then the FP8Linear (a frozen FP8Linear skips its grad_weight GEMM and the quanti
 the adapters stay BF16 (FP32 masters) and train. The frozen base is held in BF16 (`base_dtype`), as Hugging Face
 checkpoints ship it: an FP32 copy of weights that never change would only double their memory and cost a cast
 to BF16 in every step of a BF16 base. While the trainer trains, the base's FP8 weights are made
-once (`freeze_fp8_weights`), and on a GPU the base's own weights wait in host memory (`offload_base`). Activation checkpointing, compile and sharding follow
+once (`freeze_fp8_weights`; with `keep_weight_t` their transposes too), and on a GPU the base's own weights wait in
+host memory (`offload_base`). Activation checkpointing, compile and sharding follow
 (`parallelize_model`). Only the adapters are trainable, so the optimizer sees only them.
 
 A LoRA checkpoint's `model/` directory holds the frozen base as a plain Hugging Face model (the weights
@@ -53,6 +54,9 @@ class LoraConfig:
     offload_base: bool = True
     """While training on a GPU, keep the frozen base projections' weights in host memory: the GPU holds only
     their FP8 copies, made once (`fp8train.freeze_fp8_weights`). false keeps both on the GPU."""
+    keep_weight_t: bool = False
+    """Also keep each frozen base projection's W.T in FP8 (grad_input's operand: Hopper's FP8 GEMMs read both
+    operands K-major): 1 more byte per base parameter on the GPU, and no backward transposes W."""
 
     def __post_init__(self):
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:

@@ -425,13 +425,13 @@ class Trainer:
     @contextlib.contextmanager
     def fp8_weights(self) -> Iterator[None]:
         """The context steps run in: with LoRA, the frozen base's FP8 weights made once, not every step (and
-        its high-precision weights in host memory while `offload_base`); with `hold_fp8_weights`, each trained
+        its high-precision weights in host memory while `offload_base`, its W.T too with `keep_weight_t`); with `hold_fp8_weights`, each trained
         weight's FP8 copy, written by the optimizer's step (or a line in the log saying why not)."""
         with contextlib.ExitStack() as stack:
             lora = self.cfg.model.lora
             if lora.enabled:
                 offload = lora.offload_base and self.device.type == "cuda"
-                stack.enter_context(freeze_fp8_weights(self.model, offload=offload))
+                stack.enter_context(freeze_fp8_weights(self.model, offload=offload, keep_t=lora.keep_weight_t))
             if self.cfg.hold_fp8_weights:
                 why = self._why_not_held()
                 held = 0 if why else stack.enter_context(hold_fp8_weights(self.model, self.optimizer))

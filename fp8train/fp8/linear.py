@@ -54,10 +54,10 @@ def runs_on_cublas(x: Tensor, recipe: Fp8Recipe) -> bool:
 
 
 class _Fp8LinearFn(torch.autograd.Function):
-    """y = x @ W.T + b from the input's FP8 rows (made by the caller). Saves for backward the weight
-    (W.T is re-made from it, or from `w`, W's given operand, unless `w_t` is W.T's, kept), `x_saved` (input.T's operand, the rows with the
-    plan's `x_t_from_fp8`, or with no scale the input itself: `input_t_later`) and the forward's health
-    statistics."""
+    """y = x @ W.T + b from the input's FP8 rows (made by the caller). Saves for backward the weight (W.T is
+    re-made from it, or from `w`, W's given operand, unless `w_t` is W.T's, kept), `x_saved` (input.T's operand,
+    the rows with the plan's `x_t_from_fp8`, or with no scale the input itself: `input_t_later`) and the
+    forward's health statistics."""
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, x_rows: Tensor, x_rows_scale: Tensor,
@@ -347,7 +347,9 @@ class FP8Linear(nn.Linear):
                                   self._fp8_w_t_scale, self._health_sink, stats, plan, out_dtype)
 
     def extra_repr(self) -> str:
-        kept = (", frozen in FP8" + " with W.T" * (self._fp8_w_t is not None)) if self.frozen else ", held in FP8" if self.held else ""
+        kept = ", held in FP8" if self.held else ""
+        if self.frozen:
+            kept = ", frozen in FP8" + (" with W.T" if self._fp8_w_t is not None else "")
         return f"{super().extra_repr()}, recipe={self.recipe.name.value}, pow2_scale={self.recipe.pow2_scale}{kept}"
 
 

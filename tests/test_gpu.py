@@ -233,11 +233,12 @@ def test_custom_ops_fake_implementations_match_on_cuda(recipe):
     xr, xr_s, xc, xc_s = _fp8_ops._quantize_input_op(x, plan.key, True, True)
     wq, wq_s = _fp8_ops.quantize_weight(w, plan.w, plan.pow2, False, True)
     fp8_in = ("test_faketensor", "test_aot_dispatch_dynamic")
-    for w_op in ((None, None), (wq, wq_s)):
+    w_t = _fp8_ops.transpose_weight(wq, wq_s, plan, 1536) or (None, None)  # a frozen weight's kept W.T
+    for w_op, w_t_op in (((None, None), (None, None)), ((wq, wq_s), (None, None)), ((wq, wq_s), w_t)):
         torch.library.opcheck(_fp8_ops._forward_op, (xr, xr_s, w, *w_op, plan.key, torch.bfloat16), test_utils=fp8_in)
         for want_dx, want_dw in ((True, True), (True, False), (False, True)):
             saved = (xc, xc_s) if want_dw else (None, None)
-            torch.library.opcheck(_fp8_ops._backward_op, (dy, w, *w_op, *saved, plan.key, want_dx, want_dw,
+            torch.library.opcheck(_fp8_ops._backward_op, (dy, w, *w_op, *w_t_op, *saved, plan.key, want_dx, want_dw,
                                                           torch.bfloat16), test_utils=fp8_in)
 
 

@@ -198,11 +198,11 @@ def _backward_gemms_impl(g: Tensor, g_scale: Tensor, g_t: Tensor, g_t_scale: Ten
     p = LinearPlan.parse(plan)
     dx = dw = g.new_empty(0, dtype=torch.float32)
     if want_dx:
-        wt = (w_t, w_t_scale) if w_t is not None else None
-        wt = wt or (transpose_weight(w, w_scale, p, weight.shape[1]) if w is not None else None)
-        wt = wt or quantize_weight(weight, p.w_t, p.pow2, True, p.cublas)
+        if w_t is None:
+            w_t, w_t_scale = ((transpose_weight(w, w_scale, p, weight.shape[1]) if w is not None else None)
+                              or quantize_weight(weight, p.w_t, p.pow2, True, p.cublas))
         # grad_input: dx [M, K] = dy [M, Np] @ W.T [K, Np].T
-        dx = gemm(g, g_scale, p.g, *wt, p.w_t, dx_dtype, p.cublas, p.deep_gemm)
+        dx = gemm(g, g_scale, p.g, w_t, w_t_scale, p.w_t, dx_dtype, p.cublas, p.deep_gemm)
     if want_dw:
         if p.x_t_from_fp8:  # dequantize the saved rows, transpose, re-quantize (DeepSeek-V3)
             rows = dequantize_operand(x_saved, x_saved_scale, p.x)[:, : weight.shape[1]]

@@ -32,7 +32,8 @@ _FREE = ("run_dir", "resume", "device", "cpu_threads", "distributed", "data.cach
          "train.eval_every", "train.eval_batches", "train.save_every", "train.keep_last", "train.log_every",
          "train.health_every", "train.activation_checkpointing", "train.compile", "train.cuda_graphs",
          "train.max_nonfinite_steps", "train.loss_impl", "train.loss_chunk_tokens", "model.lora.offload_base",
-         "model.lora.keep_weight_t", "deep_gemm", "fuse_swiglu", "input_t_in_backward", "hold_fp8_weights", "optim.impl")
+         "model.lora.keep_weight_t", "deep_gemm", "fuse_swiglu", "input_t_in_backward", "hold_fp8_weights",
+         "optim.impl")
 
 
 @dataclass

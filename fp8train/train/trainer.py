@@ -425,8 +425,9 @@ class Trainer:
     @contextlib.contextmanager
     def fp8_weights(self) -> Iterator[None]:
         """The context steps run in: with LoRA, the frozen base's FP8 weights made once, not every step (and
-        its high-precision weights in host memory while `offload_base`, its W.T too with `keep_weight_t`); with `hold_fp8_weights`, each trained
-        weight's FP8 copy, written by the optimizer's step (or a line in the log saying why not)."""
+        its high-precision weights in host memory while `offload_base`, its W.T too with `keep_weight_t`); with
+        `hold_fp8_weights`, each trained weight's FP8 copy, written by the optimizer's step (or a line in the log
+        saying why not)."""
         with contextlib.ExitStack() as stack:
             lora = self.cfg.model.lora
             if lora.enabled:

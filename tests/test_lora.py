@@ -186,6 +186,8 @@ def test_lora_config_errors_name_the_key(tmp_path, byte_tokenizer, corpus):
                               ("model.lora.base_dtype", "fp16", "model.lora.base_dtype")):
         with pytest.raises(ConfigError, match=match):
             _config(tmp_path, byte_tokenizer, corpus, **{key: value})
+    with pytest.raises(ConfigError, match=r"model.lora.keep_weight_t.*model.lora.rank"):
+        _config(tmp_path, byte_tokenizer, corpus, **{"model.lora.rank": 0, "model.lora.keep_weight_t": True})
     cfg = _config(tmp_path, byte_tokenizer, corpus, **{"model.lora.target_modules": "[q_proj,nope]"})
     with pytest.raises(ValueError, match=r"model.lora.target_modules.*nope"):
         Trainer(cfg, progress=False)

@@ -69,6 +69,9 @@ class LoraConfig:
             raise ValueError(f"config key 'model.lora.base_dtype' must be bf16 or fp32, got {self.base_dtype!r}")
         if self.rank and not self.target_modules:
             raise ValueError("config key 'model.lora.target_modules' is empty: name the modules that get adapters")
+        if self.keep_weight_t and not self.rank:
+            raise ValueError("config key 'model.lora.keep_weight_t' needs 'model.lora.rank' > 0: only a frozen base "
+                             "keeps its W.T")
 
     @property
     def enabled(self) -> bool:

@@ -17,7 +17,8 @@ producers, hybrid's default; `+fused` turns it on for the other recipes), `hybri
 grad_weight's input.T made in the backward instead of saved), `hybrid+wgrad_blocks` (grad_weight's input.T in
 128x128 blocks: grad_weight on cuBLAS's tile x block kernel); `+held` is the trainer's `hold_fp8_weights` (each
 weight's FP8 copy written by the optimizer's step, no weight quantized in a step) and, with `--lora`, `+keep_t`
-the trainer's `model.lora.keep_weight_t` (the frozen base keeps W.T's FP8 operand too: no backward transposes W).
+the trainer's `model.lora.keep_weight_t` (the frozen base keeps W.T's FP8 operand too: no backward transposes W)
+and `+inputs_fp8` its `model.lora.inputs_fp8` (the adapters keep their base's FP8 copy of their input).
 `compiled` applies torch.compile to each decoder layer, for every variant alike (the trainer's
 `train.compile`); `cudagraphs` also replays each layer as CUDA graphs (`train.cuda_graphs`). Steps run as the
 trainer's loop runs them, each enqueued before the last is read (`Trainer.enqueue_step`); a step's time is from
@@ -272,13 +273,15 @@ def _seconds(a, b) -> float:
     return b - a if isinstance(a, float) else a.elapsed_time(b) / 1e3
 
 
-_TRAINER_MODIFIERS = ("held", "keep_t")  # `+held`: hold_fp8_weights; `+keep_t`: model.lora.keep_weight_t
+# `+held`: hold_fp8_weights; `+keep_t`, `+inputs_fp8`: model.lora.keep_weight_t, model.lora.inputs_fp8
+_TRAINER_MODIFIERS = ("held", "keep_t", "inputs_fp8")
+_LORA_MODIFIERS = ("keep_t", "inputs_fp8")
 
 
 def parse_variant(name: str) -> tuple[str, Fp8Recipe | None, frozenset[str]]:
     """(base variant, Fp8Recipe or None, trainer modifiers) of a variant name with recipe modifiers
     (`hybrid+wgrad_from_fp8`: `fp8train.parse_recipe`'s spelling; None: the trainer builds the base's recipe
-    itself) and the trainer's (`_TRAINER_MODIFIERS`: `+held`, `+keep_t`)."""
+    itself) and the trainer's (`_TRAINER_MODIFIERS`: `+held`, `+keep_t`, `+inputs_fp8`)."""
     base, *mods = name.split("+")
     trainer = frozenset(m for m in mods if m in _TRAINER_MODIFIERS)
     mods = [m for m in mods if m not in _TRAINER_MODIFIERS]
@@ -305,11 +308,12 @@ def run_case(case: BenchCase, *, steps: int = 5, warmup: int = 2, device: str = 
     import torch._dynamo
 
     base, custom, trainer_mods = parse_variant(case.variant)
-    if "keep_t" in trainer_mods and not case.lora:
-        raise ValueError(f"variant {case.variant!r}: +keep_t is for a frozen base (--lora)")
+    for mod in trainer_mods & set(_LORA_MODIFIERS):
+        if not case.lora:
+            raise ValueError(f"variant {case.variant!r}: +{mod} is for a frozen base (--lora)")
     torch._dynamo.reset()  # every case compiles afresh: no recompile limit, no shapes made dynamic by earlier cases
     vocab = case.vocab or (None if PRESETS[case.model]["vocab_size"] else 151936)
-    lora = LoraConfig(rank=case.lora, keep_weight_t="keep_t" in trainer_mods)
+    lora = LoraConfig(rank=case.lora, keep_weight_t="keep_t" in trainer_mods, inputs_fp8="inputs_fp8" in trainer_mods)
     mcfg = ModelConfig(source=case.model, num_layers=case.layers, vocab_size=vocab, lora=lora)
     torch.manual_seed(0)
     with torch.device(device):

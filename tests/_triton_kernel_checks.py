@@ -137,7 +137,31 @@ def interpret() -> dict:
     failures += _producer_failures()
     failures += _launch_argument_failures()
     failures += _benchmark_candidate_failures()
+    failures += _rows_grad_weight_failures()
     return {"failures": failures}
+
+
+def _rows_grad_weight_failures() -> list:
+    """`rows_grad_weight` (a LoRA adapter's grad_weight from its input's FP8 rows) against an FP64 product of
+    the dequantized rows: one or several token slices, ragged tokens and features, N over one program's rows.
+    Its products are exact (a BF16 g times a power of two, times an E4M3 value), so only the FP32 sums' order
+    differs: relative 1e-6 of the largest entry."""
+    failures = []
+    gen = torch.Generator().manual_seed(3)
+    for m, n, k in ((512, 16, 384), (1000, 8, 200), (2048, 40, 256), (4100, 100, 128), (300, 16, 1000)):
+        x = torch.randn(m, k, generator=gen) * torch.rand(m, 1, generator=gen) * 30
+        kp = -(-k // 128) * 128
+        tiles = torch.nn.functional.pad(x, (0, kp - k)).view(m, kp // 128, 128)
+        s = compute_scale(tiles.abs().amax(-1), Fp8Format.E4M3, True)
+        q = (tiles * reciprocal(s)[..., None]).to(torch.float8_e4m3fn)
+        g = torch.randn(m, n, generator=gen).to(torch.bfloat16)
+        # q as FP32 (the interpreter's FP8 conversion is wrong); the scales as the kernels lay them out
+        out = tq.rows_grad_weight(g, q.float().view(m, kp), s.t().contiguous().t(), k)
+        ref = g.double().t() @ (q.double() * s.double()[..., None]).view(m, kp)[:, :k]
+        err = ((out.double() - ref).abs().max() / ref.abs().max()).item()
+        if out.shape != (n, k) or out.dtype != torch.float32 or not err < 1e-6:
+            failures.append(f"rows_grad_weight m={m} n={n} k={k}: {tuple(out.shape)} {out.dtype}, error {err:.2e}")
+    return failures
 
 
 def _benchmark_candidate_failures() -> list:
@@ -353,6 +377,14 @@ def compile_sm90() -> dict:
             k = triton.compile(ASTSource(tq._weight_kernel, w_sig, consts, aligned), target=target,
                                options={"num_warps": tq._NUM_WARPS})
             out[f"weight pow2={pow2} transpose={transpose}"] = _resources(k)
+    g_sig = {n: "constexpr" for n in tq._rows_grad_weight_kernel.arg_names}
+    g_sig.update(g_ptr="*bf16", M="i32", N="i32", stride_gm="i32", q_ptr="*fp8e4nv", K="i32", stride_qm="i32",
+                 s_ptr="*fp32", stride_sm="i32", stride_sk="i32", out_ptr="*fp32")
+    for block_n in (16, 32, 64):  # rows_grad_weight's launches (a LoRA rank up to 16, 32, more)
+        consts = dict(M_SLICE=4096, BLOCK_M=64, BLOCK_N=block_n, BLOCK=128, DOT_F32=False)
+        k = triton.compile(ASTSource(tq._rows_grad_weight_kernel, g_sig, consts, aligned), target=target,
+                           options={"num_warps": 8, "num_stages": 4})
+        out[f"rows_grad_weight block_n={block_n}"] = _resources(k)
     return out
 
 
@@ -395,6 +427,10 @@ def mutation_analysis() -> dict:
                   s_ptr=torch.empty(M // 128, K // 128), ld_s=K // 128, FMT_MAX=448.0, POW2=True, BF16=False,
                   TRANSPOSE=transpose, BLOCK=128)
         out[f"weight transpose={transpose}"] = accessed(tq._weight_kernel, kw)
+    kw = dict(g_ptr=x[:, :16].contiguous(), M=M, N=16, stride_gm=16, q_ptr=torch.empty(M, K, dtype=fp8), K=K,
+              stride_qm=K, s_ptr=torch.empty(K // 128, M).t(), stride_sm=1, stride_sk=M,
+              out_ptr=torch.empty(1, 16, K), M_SLICE=M, BLOCK_M=64, BLOCK_N=16, BLOCK=128, DOT_F32=False)
+    out["rows_grad_weight"] = accessed(tq._rows_grad_weight_kernel, kw)
     return out
 
 

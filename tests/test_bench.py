@@ -117,12 +117,20 @@ def test_lora_trains_only_the_adapters_on_the_frozen_fp8_base(capsys):
            for r in (0, 8) for v in ("bf16", "hybrid")]
     assert [r["lora"] for r in res] == [0, 0, 8, 8] and res[3]["fp8_layers"] == 14
     assert all(r["loss_last"] != r["loss_first"] for r in res)  # the adapters train
-    # +keep_t (the base keeps W.T too) computes the same steps bit for bit; without LoRA it is refused
+    # +keep_t (the base keeps W.T too) computes the same steps bit for bit; without LoRA it (and +inputs_fp8) is
+    # refused
     kept = run_case(BenchCase("tiny-qwen2", None, 64, "hybrid+keep_t", "eager", 512, lora=8), steps=2, warmup=1,
                     device="cpu")
     assert (kept["loss_first"], kept["loss_last"]) == (res[3]["loss_first"], res[3]["loss_last"])
-    with pytest.raises(ValueError, match="keep_t"):
-        run_case(BenchCase("tiny-qwen2", None, 64, "hybrid+keep_t", "eager", 512), steps=1, warmup=0, device="cpu")
+    for mod in ("keep_t", "inputs_fp8"):
+        with pytest.raises(ValueError, match=mod):
+            run_case(BenchCase("tiny-qwen2", None, 64, f"hybrid+{mod}", "eager", 512), steps=1, warmup=0,
+                     device="cpu")
+    # +inputs_fp8 (the adapters keep the base's FP8 input; tests/test_lora.py has its numbers): the same first
+    # loss (the forward is unchanged)
+    fp8_in = run_case(BenchCase("tiny-qwen2", None, 64, "hybrid+inputs_fp8", "eager", 512, lora=8), steps=2,
+                      warmup=1, device="cpu")
+    assert fp8_in["loss_first"] == res[3]["loss_first"] and fp8_in["variant"] == "hybrid+inputs_fp8"
     table = markdown_table(res)
     assert "hybrid (LoRA r=8)" in table and table.count("| 1.000 |") == 2
     cfg = build_model(ModelConfig(source="tiny-qwen2", vocab_size=512)).config

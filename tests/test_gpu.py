@@ -317,6 +317,80 @@ def test_frozen_offloaded_weights_on_cuda(mode, keep_t):
     assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
 
 
+@pytest.mark.parametrize("shape", [(8192, 16, 3584), (8192, 16, 18944), (1000, 40, 200), (4096, 100, 512)])
+def test_rows_grad_weight_kernel_matches_the_cpu_path(shape):
+    """A LoRA adapter's grad_weight from its input's FP8 rows (`ops.rows_grad_weight`, `model.lora.inputs_fp8`):
+    on the rows the CUDA path makes (bit-identical to the CPU's), the Triton kernel equals the CPU path's FP32
+    product up to the sums' order (its products are exact), eagerly and launched by inductor."""
+    from fp8train.fp8 import ops
+
+    M, N, K = shape
+    x = _activation((M, K), torch.bfloat16)
+    g = torch.randn(M, N, generator=torch.Generator().manual_seed(1)).bfloat16()
+    recipe = make_recipe("hybrid")
+    gpu, cpu = LinearPlan.of(recipe, True), LinearPlan.of(recipe, False)
+    rows_gpu = ops.quantize_input(x.cuda(), gpu, False)[:2]
+    rows_cpu = ops.quantize_input(x, cpu, False)[:2]
+    assert torch.equal(_bits(rows_gpu[0][:, :K].cpu()), _bits(rows_cpu[0][:, :K]))
+    got = ops.rows_grad_weight(g.cuda(), *rows_gpu, gpu, K)
+    want = ops.rows_grad_weight(g, *rows_cpu, cpu, K)
+    assert got.shape == (N, K) and got.dtype == torch.float32
+    assert ((got.cpu().double() - want.double()).abs().max() / want.abs().max()).item() < 1e-5
+    compiled = torch.compile(lambda g_, q, s: ops.rows_grad_weight(g_, q, s, gpu, K))
+    assert ((compiled(g.cuda(), *rows_gpu) - got).abs().max() / got.abs().max()).item() < 1e-6
+
+
+@pytest.mark.parametrize("mode", ["eager", "default"])
+def test_adapter_keeping_its_bases_fp8_input_on_cuda(mode):
+    """FP8InputLinear beside a frozen FP8 base on CUDA (eagerly, and both compiled by inductor): y and dx as
+    nn.Linear's under BF16 autocast (bit for bit eagerly), dW as the CPU path's on the same input, and eagerly
+    the backward keeps the FP8 rows, no BF16 copy of x."""
+    import torch._dynamo
+    from torch.utils.weak import WeakIdKeyDictionary
+
+    from fp8train import FP8InputLinear
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    K, R = 3584, 16
+    x = _activation((4096, K), torch.bfloat16)
+    g = torch.randn(4096, R, generator=torch.Generator().manual_seed(2)).bfloat16()
+    results = {}
+    for dev in ("cpu", "cuda"):
+        base = FP8Linear.from_linear(torch.nn.Linear(K, 512, bias=False), "hybrid", WeakIdKeyDictionary()).to(dev)
+        base.weight.requires_grad_(False)
+        lin = torch.nn.Linear(K, R, bias=False)
+        lin.weight.data = torch.randn(R, K, generator=torch.Generator().manual_seed(3)) * 0.02
+        ref = torch.nn.Linear(K, R, bias=False).to(dev)
+        ref.load_state_dict(lin.state_dict())
+        adapter = FP8InputLinear.beside(lin, base).to(dev)
+
+        def both(t):
+            base(t)
+            return adapter(t)
+
+        fn = torch.compile(both) if dev == "cuda" and mode != "eager" else both
+        xr = x.to(dev).requires_grad_()
+        saved = []
+        with torch.autocast(dev, torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(
+                lambda t: saved.append(t) or t, lambda t: t):
+            y = fn(xr)
+        y.backward(g.to(dev))
+        xq = x.to(dev).requires_grad_()
+        with torch.autocast(dev, torch.bfloat16):
+            ry = ref(xq.float())
+        ry.backward(g.to(dev))
+        if fn is both:
+            assert torch.equal(y, ry) and torch.equal(xr.grad, xq.grad), dev
+        else:  # inductor's own GEMM calls may round differently
+            assert _sqnr(y.float(), ry.float()) > 40 and _sqnr(xr.grad.float(), xq.grad.float()) > 40
+        if mode == "eager":
+            assert not [t for t in saved if t.numel() == x.numel() and t.element_size() > 1], dev
+        results[dev] = lin.weight.grad.cpu()
+    rel = (results["cuda"].double() - results["cpu"].double()).abs().max() / results["cpu"].abs().max()
+    assert rel.item() < 1e-5
+
+
 def _run_qwen2_mlp(x, recipe, compiled):
     """A Qwen2 MLP at 1.5B width (seeded weights), converted whole by `recipe`, run on x (eagerly or
     compiled) under BF16 autocast: [output, x.grad, gate's, up's and down's weight gradients]."""

@@ -29,7 +29,7 @@ pytest.importorskip("datasets")
 
 from transformers import Trainer, TrainingArguments, TrainerCallback  # noqa: E402
 
-from fp8train import FP8Linear, cache_fp8_weights  # noqa: E402
+from fp8train import FP8InputLinear, FP8Linear, cache_fp8_weights  # noqa: E402
 from fp8train.data import CptDataConfig, GlobalBatchSampler, collate, load_tokenizer  # noqa: E402
 from fp8train.integrations.hf import FP8TrainerCallback, convert_for_training  # noqa: E402
 from fp8train.train.config import LoopConfig, TrainConfig  # noqa: E402
@@ -213,7 +213,7 @@ def test_sft_trainer_tokenizes_and_trains_a_converted_lora_model(setup, tmp_path
     """The way SFT users run it: TRL tokenizes a conversational prompt/completion dataset itself, PEFT wraps
     the converted model (peft_config=...): the FP8 base stays frozen and unchanged, the adapters learn, and
     the callback quantizes each base weight once for the run (and with `keep_frozen_t` transposes it once),
-    handing the layers back plain at the end."""
+    handing the layers back plain at the end; with `adapter_inputs_fp8` the adapters keep the base's FP8 input."""
     peft = pytest.importorskip("peft")
     from fp8train.fp8 import ops
 
@@ -234,11 +234,13 @@ def test_sft_trainer_tokenizes_and_trains_a_converted_lora_model(setup, tmp_path
     trainer = SFTTrainer(model=model, args=args, train_dataset=data, processing_class=setup[0],
                          peft_config=peft.LoraConfig(r=8, lora_alpha=16, target_modules="all-linear",
                                                      lora_dropout=0.0))
-    trainer.add_callback(FP8TrainerCallback(trainer, health_every=3, offload_frozen=True, keep_frozen_t=True))
+    trainer.add_callback(FP8TrainerCallback(trainer, health_every=3, offload_frozen=True, keep_frozen_t=True,
+                                            adapter_inputs_fp8=True))
     trainer.train()
     wrapped = trainer.model
     layers = [m for m in wrapped.modules() if isinstance(m, FP8Linear)]
     assert len(layers) == 14 and calls == [False] * 14 and not any(m.frozen for m in layers)
+    assert sum(isinstance(m, FP8InputLinear) for m in wrapped.modules()) == 14  # `adapter_inputs_fp8`
     assert len(transposes) == 14, "W.T made once a layer (keep_frozen_t), never in a backward"
     assert isinstance(wrapped.get_submodule("base_model.model.model.layers.0.self_attn.q_proj.base_layer"), FP8Linear)
     losses = _losses(trainer)
@@ -313,6 +315,15 @@ def test_convert_for_training_refuses_a_peft_model_and_warns_on_bf16_weights(set
     with caplog.at_level("WARNING"):
         convert_for_training(bf16)
     assert "torch.bfloat16, not float32" in caplog.text
+
+
+def test_adapter_inputs_fp8_needs_lora_on_fp8_layers(setup, tmp_path):
+    """`FP8TrainerCallback(adapter_inputs_fp8=True)` on a converted model without adapters is refused, naming
+    what it needs, rather than silently keeping BF16 inputs."""
+    trainer = Trainer(model=_converted(setup), args=_args(output_dir=str(tmp_path), max_steps=1),
+                      train_dataset=setup[3], data_collator=collate)
+    with pytest.raises(ValueError, match="adapter_inputs_fp8 needs PEFT LoRA adapters"):
+        FP8TrainerCallback(trainer, adapter_inputs_fp8=True)
 
 
 def test_gpu_benchmark_script_runs_on_cpu(tmp_path):

@@ -477,3 +477,66 @@ def test_deep_gemm_missing_is_one_clear_error():
     gemm_module.load_deep_gemm.cache_clear()
     with pytest.raises(ValueError, match="config key 'deep_gemm' is true but DeepGEMM does not import"):
         gemm_module.load_deep_gemm()
+
+
+@pytest.mark.parametrize("recipe", ["hybrid", "tensorwise"])
+def test_adapter_keeps_its_bases_fp8_input(recipe, monkeypatch):
+    """FP8InputLinear, a LoRA adapter's A beside its frozen FP8 base: output and grad_input equal nn.Linear's
+    (PEFT's cast of the input included) bit for bit, under BF16 autocast as the trainer runs it and without;
+    grad_weight is g.T @ x with x the FP8 copy the base made (one quantization for both), within FP32 rounding
+    of an FP64 product of the reference quantization, and off the exact gradient by FP8's rounding alone; the
+    backward keeps no high-precision copy of x. Compiled, the same numbers. Without a weight gradient to
+    compute it is nn.Linear."""
+    from torch.utils.weak import WeakIdKeyDictionary
+
+    from fp8train import FP8InputLinear
+
+    torch.manual_seed(0)
+    K, R = 384, 16
+    base = FP8Linear.from_linear(torch.nn.Linear(K, 256, bias=False), recipe, WeakIdKeyDictionary())
+    base.weight.requires_grad_(False)
+    lin = torch.nn.Linear(K, R, bias=False)
+    ref_lin = torch.nn.Linear(K, R, bias=False)
+    ref_lin.load_state_dict(lin.state_dict())
+    adapter = FP8InputLinear.beside(lin, base)
+    assert adapter.weight is lin.weight and "input kept in FP8" in repr(adapter)
+    x = torch.randn(3, 70, K)
+    x[0, :2] *= 1e3  # outlier tokens: per-token scales matter
+    g = torch.randn(3, 70, R)
+    calls = []
+    real = ops.quantize_input
+    monkeypatch.setattr(ops, "quantize_input", lambda *a: calls.append(1) or real(*a))
+
+    def run(fn, m, autocast):
+        xr = x.clone().requires_grad_()
+        saved = []
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            base(xr)  # the base reads x first, as PEFT's layer runs them
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+                y = fn(xr)
+        y.backward(g.to(y.dtype))
+        out = y.detach(), xr.grad, m.weight.grad
+        m.weight.grad = None
+        return out, saved
+
+    block = (1, 128) if recipe == "hybrid" else None
+    rows = dequantize(quantize(x.reshape(-1, K), block)).double()
+    exact = g.reshape(-1, R).double().t() @ x.reshape(-1, K).double()
+    for autocast in (False, True):
+        calls.clear()
+        (y, dx, dw), saved = run(adapter, lin, autocast)
+        assert len(calls) == 1, "the base's quantization serves the adapter too"
+        (ry, rdx, _), _ = run(lambda t: ref_lin(t.to(ref_lin.weight.dtype)), ref_lin, autocast)
+        assert torch.equal(y, ry) and torch.equal(dx, rdx)
+        gy = g.reshape(-1, R).to(y.dtype).double()  # the output gradient as the backward sees it
+        want = gy.t() @ rows
+        assert ((dw.double() - want).abs().max() / want.abs().max()).item() < 1e-5
+        assert 25 < sqnr(dw, exact) < 45, f"grad_weight {sqnr(dw, exact):.1f} dB from the exact one"
+        assert not [t for t in saved if t.numel() == x.numel() and t.element_size() > 1], "x kept in high precision"
+        assert any(t.dtype == torch.float8_e4m3fn and t.numel() >= x.numel() for t in saved)
+        (cy, cdx, cdw), _ = run(torch.compile(adapter, backend="aot_eager"), lin, autocast)
+        assert torch.equal(cy, y) and torch.equal(cdx, dx) and torch.equal(cdw, dw)
+    with torch.no_grad():
+        assert torch.equal(adapter(x.bfloat16()), ref_lin(x.bfloat16().float()))
+    with pytest.raises(ValueError, match="FP8InputLinear.beside"):
+        FP8InputLinear.beside(torch.nn.Linear(128, R), base)

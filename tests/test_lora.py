@@ -25,7 +25,7 @@ peft = pytest.importorskip("peft")
 
 from transformers import AutoModelForCausalLM, FineGrainedFP8Config  # noqa: E402
 
-from fp8train import FP8Linear  # noqa: E402
+from fp8train import FP8InputLinear, FP8Linear  # noqa: E402
 from fp8train.data import load_tokenizer  # noqa: E402
 from fp8train.export import export_checkpoint  # noqa: E402
 from fp8train.train.config import ConfigError, load_config  # noqa: E402
@@ -48,10 +48,11 @@ def _config(workdir: Path, tok_dir, corpus, **extra):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, byte_tokenizer, corpus):
     out = {}
-    for recipe in ("hybrid", "bf16"):
-        trainer = Trainer(_config(tmp_path_factory.mktemp(recipe), byte_tokenizer, corpus, recipe=recipe),
+    for name, recipe, extra in (("hybrid", "hybrid", {}), ("bf16", "bf16", {}),
+                                ("inputs_fp8", "hybrid", {"model.lora.inputs_fp8": True})):
+        trainer = Trainer(_config(tmp_path_factory.mktemp(name), byte_tokenizer, corpus, recipe=recipe, **extra),
                           progress=False)
-        out[recipe] = (trainer, trainer.fit())
+        out[name] = (trainer, trainer.fit())
     return out
 
 
@@ -108,6 +109,32 @@ def test_resume_from_a_lora_checkpoint_is_bit_exact(runs, tmp_path, byte_tokeniz
     plain = _config(tmp_path / "plain", byte_tokenizer, corpus, **{"model.lora.rank": 0, "resume": str(step10)})
     with pytest.raises(ValueError, match="model.lora.rank"):
         Trainer(plain, progress=False)
+
+
+def test_adapters_keeping_their_input_in_fp8(runs, tmp_path, byte_tokenizer, corpus):
+    """`model.lora.inputs_fp8`: every adapter A keeps its base's FP8 copy of their input (FP8InputLinear), under
+    the same parameter names; the base stays bit-identical; the first step's loss is the same (the forward is
+    unchanged) and the rest track the BF16-input run within FP8 LoRA's bound to BF16 LoRA; the adapters differ
+    from that run's (their gradients read the FP8 input); a resume from its checkpoint is bit-exact."""
+    (trainer, result), (plain, plain_result) = runs["inputs_fp8"], runs["hybrid"]
+    kept = [m for m in trainer.model.modules() if isinstance(m, FP8InputLinear)]
+    assert len(kept) == 2 * 7 and not any(isinstance(m, FP8InputLinear) for m in plain.model.modules())
+    state, plain_state = trainer.model.state_dict(), plain.model.state_dict()
+    assert state.keys() == plain_state.keys()
+    for name, tensor in state.items():
+        if "lora_" not in name:
+            assert torch.equal(tensor, plain_state[name]), name
+    assert not torch.equal(state[next(n for n in state if "lora_A" in n)], plain_state[next(n for n in state
+                                                                                      if "lora_A" in n)])
+    losses, base = _losses(result), _losses(plain_result)
+    assert losses[0] == base[0]
+    gap = np.abs(losses - base) / base
+    assert gap[1:].max() > 0 and gap.max() <= 5e-3, gap
+    cfg = _config(tmp_path, byte_tokenizer, corpus, **{"model.lora.inputs_fp8": True})
+    step10 = Path(trainer.run_dir) / "checkpoints" / "step_00000010"
+    shutil.copytree(step10, Path(cfg.run_dir) / "checkpoints" / step10.name)
+    again = Trainer(cfg, progress=False).fit()
+    assert again.losses == {s: v for s, v in result.losses.items() if s > 10}
 
 
 def _plain(state: dict, config, dtype=None) -> torch.nn.Module:
@@ -186,8 +213,11 @@ def test_lora_config_errors_name_the_key(tmp_path, byte_tokenizer, corpus):
                               ("model.lora.base_dtype", "fp16", "model.lora.base_dtype")):
         with pytest.raises(ConfigError, match=match):
             _config(tmp_path, byte_tokenizer, corpus, **{key: value})
-    with pytest.raises(ConfigError, match=r"model.lora.keep_weight_t.*model.lora.rank"):
-        _config(tmp_path, byte_tokenizer, corpus, **{"model.lora.rank": 0, "model.lora.keep_weight_t": True})
+    for key in ("keep_weight_t", "inputs_fp8"):
+        with pytest.raises(ConfigError, match=rf"model.lora.{key}.*model.lora.rank"):
+            _config(tmp_path, byte_tokenizer, corpus, **{"model.lora.rank": 0, f"model.lora.{key}": True})
+    with pytest.raises(ConfigError, match=r"model.lora.inputs_fp8.*model.lora.dropout"):
+        _config(tmp_path, byte_tokenizer, corpus, **{"model.lora.dropout": 0.1, "model.lora.inputs_fp8": True})
     cfg = _config(tmp_path, byte_tokenizer, corpus, **{"model.lora.target_modules": "[q_proj,nope]"})
     with pytest.raises(ValueError, match=r"model.lora.target_modules.*nope"):
         Trainer(cfg, progress=False)

@@ -7,7 +7,8 @@
     gemm.py     the one GEMM and its route table (cuBLAS scaled_mm, DeepGEMM, or emulated)
     ops.py      the three GEMMs of one Linear (`reference_fp8_linear`: what they compute), their
                 quantization, the custom ops torch.compile sees
-    linear.py   FP8Linear: a layer's state (plans, input and weight caches, frozen and held weights, health)
+    linear.py   FP8Linear: a layer's state (plans, input and weight caches, frozen and held weights, health);
+                FP8InputLinear: a LoRA adapter keeping its frozen FP8 base's copy of their input
     swiglu.py   FP8SwiGLUMLP: the MLP as one piece, its activation quantized inside its producers
     convert.py  convert_to_fp8, cache_fp8_weights, freeze_fp8_weights, hold_fp8_weights
     health.py   FP8 health statistics (underflow, saturation, scale range) observed during a step
@@ -18,10 +19,10 @@
 from .convert import (ConversionReport, cache_fp8_weights, compile_options, convert_to_fp8, freeze_fp8_weights,
                       hold_fp8_weights)
 from .health import summarize_fp8_health, track_fp8_health
-from .linear import FP8Linear
+from .linear import FP8InputLinear, FP8Linear
 from .quant import Fp8Tensor, dequantize, quantize
 from .recipe import Fp8Format, Fp8Recipe, RecipeName, make_recipe, parse_recipe
 
-__all__ = ["ConversionReport", "FP8Linear", "Fp8Format", "Fp8Recipe", "Fp8Tensor", "RecipeName",
+__all__ = ["ConversionReport", "FP8InputLinear", "FP8Linear", "Fp8Format", "Fp8Recipe", "Fp8Tensor", "RecipeName",
            "cache_fp8_weights", "compile_options", "convert_to_fp8", "dequantize", "freeze_fp8_weights",
            "hold_fp8_weights", "make_recipe", "parse_recipe", "quantize", "summarize_fp8_health", "track_fp8_health"]

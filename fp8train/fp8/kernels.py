@@ -49,10 +49,12 @@ from .recipe import Fp8Format
 
 __all__ = ["abs_bits", "amax_bits", "inverse", "ops_layout", "quantize_blocks", "quantize_blocks_op", "quantize_swiglu",
            "quantize_swiglu_grads", "quantize_swiglu_grads_op", "quantize_swiglu_op", "quantize_tiles_and_transpose",
-           "quantize_tiles_op", "scale_from_amax_bits", "scaled"]
+           "quantize_tiles_op", "rows_grad_weight", "rows_grad_weight_op", "scale_from_amax_bits",
+           "scaled"]
 
 _SIDE = 128  # elements along each side of a scaling tile or block
 _NUM_WARPS = 8
+_SMS = 132  # an H100's (the H200's too): how many programs fill the GPU
 _FP32_TINY = tl.constexpr(FP32_TINY)
 _INF_BITS = tl.constexpr(0x7F800000)
 
@@ -262,6 +264,43 @@ def _weight_kernel(
             tl.store(s_ptr + pid_n * ld_s + pid_k, s)
 
 
+@triton.jit
+def _rows_grad_weight_kernel(
+    g_ptr, M, N, stride_gm,                   # g [M, N] BF16: the output gradient
+    q_ptr, K, stride_qm,                      # x's FP8 rows [M, Kp] (1x128 tiles)
+    s_ptr, stride_sm, stride_sk,              # their scales (M, Kp/128), any strides
+    out_ptr,                                  # FP32 partial sums [slices, N, K]: one per slice of M_SLICE tokens
+    M_SLICE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK: tl.constexpr,
+    DOT_F32: tl.constexpr,  # Triton's interpreter multiplies BF16 dot operands' bit patterns: FP32 there
+):
+    """dW [N, K] = g.T @ x over one slice of the tokens, x dequantized from its FP8 rows: a program owns 128
+    columns of x (one scale per token) and BLOCK_N rows of dW. The scale folds into g, whose BF16 product with
+    a power of two is exact, so each term is g * s * q as the reference makes it; BF16 tensor-core products,
+    FP32 sums."""
+    pid_k = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    offs_k = pid_k * BLOCK + tl.arange(0, BLOCK)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_k = offs_k < K
+    in_n = offs_n < N
+    acc = tl.zeros((BLOCK_N, BLOCK), dtype=tl.float32)
+    for m in range(0, M_SLICE, BLOCK_M):
+        offs_m = pid_s * M_SLICE + m + tl.arange(0, BLOCK_M)
+        in_m = offs_m < M
+        g = tl.load(g_ptr + offs_m[:, None] * stride_gm + offs_n[None, :], mask=in_m[:, None] & in_n[None, :],
+                    other=0.0)
+        s = tl.load(s_ptr + offs_m * stride_sm + pid_k * stride_sk, mask=in_m, other=0.0)
+        q = tl.load(q_ptr + offs_m[:, None] * stride_qm + offs_k[None, :], mask=in_m[:, None] & in_k[None, :],
+                    other=0.0)
+        gs = (g.to(tl.float32) * s[:, None]).to(tl.bfloat16)
+        if DOT_F32:  # the same products: both operands hold BF16 values
+            acc = tl.dot(tl.trans(gs.to(tl.float32)), q.to(tl.float32), acc)
+        else:
+            acc = tl.dot(tl.trans(gs), q.to(tl.bfloat16), acc)
+    tl.store(out_ptr + pid_s * N * K + offs_n[:, None] * K + offs_k[None, :], acc, mask=in_n[:, None] & in_k[None, :])
+
+
 def _launcher(kernel, traced: bool):
     # under torch.compile the launch is recorded for inductor (which then starts the kernel from its own
     # generated code); eagerly it is Triton's own launch
@@ -363,6 +402,25 @@ def quantize_blocks(w, fmt, pow2: bool, pad: int, transpose: bool = False, num_w
     return q, s
 
 
+
+def rows_grad_weight(g, q, s, k: int, _traced: bool = False):
+    """dW [N, K] (FP32) = g.T @ x from BF16 g [M, N] and x's FP8 rows: data q [M, Kp] E4M3 with power-of-two
+    scales s (M, Kp/128) (the 1x128 tiles `quantize_tiles_and_transpose` makes); K = k real columns. Tokens are
+    split into slices, so that narrow x still fills the GPU, and the slices' sums added in FP32."""
+    M, N = g.shape
+    block_n = 64 if N > 32 else 32 if N > 16 else 16
+    k_blocks, n_blocks = -(-k // _SIDE), -(-N // block_n)
+    slices = max(1, min(-(-2 * _SMS // (k_blocks * n_blocks)), M // 512))  # two waves; >= 512 tokens a slice
+    m_slice = round_up(-(-M // slices), 128)
+    slices = -(-M // m_slice)
+    out = torch.empty(slices, N, k, dtype=torch.float32, device=g.device)
+    _launcher(_rows_grad_weight_kernel, _traced)[(k_blocks, n_blocks, slices)](
+        g, M, N, g.stride(0), q, k, q.stride(0), s, s.stride(0), s.stride(1), out,
+        M_SLICE=m_slice, BLOCK_M=64, BLOCK_N=block_n, BLOCK=_SIDE,
+        DOT_F32=not isinstance(_rows_grad_weight_kernel, triton.runtime.JITFunction), num_warps=8, num_stages=4)
+    return out[0] if slices == 1 else out.sum(0)
+
+
 # ------------------------------------------------------------------------ the same, as torch ops
 # torch.compile traces into a triton_op: inductor sees the kernel launch itself (no Python op call per
 # launch at run time). Scales come back as contiguous [blocks, rows] buffers; no cols copy: empty tensors.
@@ -398,3 +456,8 @@ def quantize_swiglu_grads_op(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor,
 def quantize_blocks_op(w: torch.Tensor, dtype: torch.dtype, pow2: bool, pad: int,
                        transpose: bool) -> tuple[torch.Tensor, torch.Tensor]:
     return quantize_blocks(w, _FORMATS[dtype], pow2, pad, transpose, _traced=True)
+
+
+@torch.library.triton_op("fp8train::rows_grad_weight", mutates_args=())
+def rows_grad_weight_op(g: torch.Tensor, q: torch.Tensor, s: torch.Tensor, k: int) -> torch.Tensor:
+    return rows_grad_weight(g, q, s, k, _traced=True)

@@ -13,6 +13,9 @@ compute). This module owns a layer's state, changed only through its methods:
     health          `track_health(True)`: underflow / saturation / scale range of its operands
     FSDP            `prepare_fsdp(...)`: FSDP2 refills the weight every step; optionally gathers it in FP8
 
+`FP8InputLinear` is a high-precision Linear beside a frozen FP8Linear (a LoRA adapter's A beside its base)
+that keeps, for its grad_weight, the FP8 rows of their common input the base made, not the input itself.
+
 Health tracking only observes: it quantizes the operands again with the reference (which the kernels
 equal bit for bit) and hands the statistics out of the backward as the gradient of a small "sink"
 tensor, so the compute path is the same and a compiled layer stays one graph.
@@ -30,7 +33,7 @@ from .health import health_dict, operand_health_stats
 from .operands import LinearPlan
 from .recipe import Fp8Format, Fp8Recipe, make_recipe
 
-__all__ = ["FP8Linear", "output_dtype", "runs_on_cublas"]
+__all__ = ["FP8Linear", "FP8InputLinear", "output_dtype", "runs_on_cublas"]
 
 
 @torch.compiler.assume_constant_result  # a constant of the device: torch.compile does not trace it
@@ -52,6 +55,22 @@ def runs_on_cublas(x: Tensor, recipe: Fp8Recipe) -> bool:
     """Whether `recipe`'s GEMMs on tensors like `x` run on cuBLAS (SM90, not `emulate`); else emulated."""
     return _use_cublas(x) and not recipe.emulate
 
+
+
+def _quantize_shared(cache: WeakIdKeyDictionary | None, x: Tensor, x2d: Tensor, plan: LinearPlan,
+                     make_cols: bool) -> tuple[Tensor, ...]:
+    """x's (rows data, scale, cols data, scale); the layers reading one tensor (q/k/v, gate/up, a LoRA adapter
+    beside its base) share one quantization: eagerly through their input cache, compiled through CSE /
+    compile_options()' pass."""
+    if cache is None or torch.compiler.is_compiling():
+        return ops.quantize_input(x2d.detach(), plan, make_cols)
+    key = (x._version, plan.key)
+    hit = cache.get(x)
+    if hit is not None and hit[0] == key and (hit[1][2].numel() or not make_cols):
+        return hit[1]  # (a copy with cols serves a sibling that needs none)
+    out = ops.quantize_input(x2d.detach(), plan, make_cols)
+    cache[x] = (key, out)
+    return out
 
 class _Fp8LinearFn(torch.autograd.Function):
     """y = x @ W.T + b from the input's FP8 rows (made by the caller). Saves for backward the weight (W.T is
@@ -274,18 +293,7 @@ class FP8Linear(nn.Linear):
         return self._weight_cache[1]
 
     def _quantize_input(self, x: Tensor, x2d: Tensor, plan: LinearPlan, make_cols: bool) -> tuple[Tensor, ...]:
-        """(rows data, scale, cols data, scale); siblings reading the same tensor (q/k/v, gate/up) share one
-        quantization: eagerly through the input cache, compiled through CSE / compile_options()' pass."""
-        cache = self._input_cache
-        if cache is None or torch.compiler.is_compiling():
-            return ops.quantize_input(x2d.detach(), plan, make_cols)
-        key = (x._version, plan.key)
-        hit = cache.get(x)
-        if hit is not None and hit[0] == key and (hit[1][2].numel() or not make_cols):
-            return hit[1]  # (a copy with cols serves a sibling that needs none)
-        out = ops.quantize_input(x2d.detach(), plan, make_cols)
-        cache[x] = (key, out)
-        return out
+        return _quantize_shared(self._input_cache, x, x2d, plan, make_cols)
 
     def forward(self, x: Tensor) -> Tensor:
         if not self.recipe.enabled:
@@ -356,3 +364,73 @@ class FP8Linear(nn.Linear):
 @torch.compiler.disable  # eager inside a compiled model: FSDP's FP8-gathered weights
 def _forward_outside_graph(module: FP8Linear, x: Tensor) -> Tensor:
     return module._forward(x)
+
+
+class _FP8InputLinearFn(torch.autograd.Function):
+    """y = x @ W.T + b in `dtype`, as nn.Linear computes it; the backward keeps the input's FP8 rows, not x."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, x_rows: Tensor, x_rows_scale: Tensor,
+                plan: LinearPlan, dtype: torch.dtype) -> Tensor:
+        y = F.linear(x.to(dtype), weight.to(dtype), bias.to(dtype) if bias is not None else None)
+        ctx.save_for_backward(weight, x_rows, x_rows_scale)
+        ctx.plan, ctx.dtype, ctx.x_shape, ctx.x_dtype = plan, dtype, x.shape, x.dtype
+        ctx.b_dtype = bias.dtype if bias is not None else None
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        weight, x_rows, x_rows_scale = ctx.saved_tensors
+        dy2d = dy.reshape(-1, dy.shape[-1])
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:  # grad_input: dy @ W, as nn.Linear's backward
+            dx = (dy2d.to(ctx.dtype) @ weight.to(ctx.dtype)).view(ctx.x_shape).to(ctx.x_dtype)
+        if ctx.needs_input_grad[1]:  # grad_weight: dy.T @ x, x from its FP8 rows
+            dw = ops.rows_grad_weight(dy2d, x_rows, x_rows_scale, ctx.plan, weight.shape[1]).to(weight.dtype)
+        if ctx.b_dtype is not None and ctx.needs_input_grad[2]:
+            db = dy2d.float().sum(0).to(ctx.b_dtype)
+        return dx, dw, db, None, None, None, None
+
+
+class FP8InputLinear(nn.Linear):
+    """A high-precision Linear beside a frozen FP8Linear reading the same input (a LoRA adapter's A beside its
+    base): output and grad_input run as nn.Linear's (in the autocast dtype, else the weight's, the input cast
+    to it as PEFT does); for the backward it keeps not the input but the FP8 rows its base made of it
+    (shared: no second quantization), which grad_weight reads (`ops.rows_grad_weight`). 1 byte per input
+    element kept instead of 2 (BF16); the weight's gradient sees E4M3's rounding of the input (relative 2^-4
+    at most per element), as the base's own output GEMM does. Without a gradient to compute for its weight it
+    is nn.Linear. Holds the replaced Linear's Parameters (`beside`)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, recipe: str | Fp8Recipe = "hybrid",
+                 device=None, dtype=None, *, input_cache: WeakIdKeyDictionary | None = None):
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.recipe = make_recipe(recipe)
+        if not self.recipe.enabled:
+            raise ValueError("FP8InputLinear: the recipe quantizes no input (bf16)")
+        self._plans = {c: LinearPlan.of(self.recipe, c) for c in (False, True)}
+        self._input_cache = input_cache
+
+    @classmethod
+    def beside(cls, linear: nn.Linear, base: FP8Linear) -> "FP8InputLinear":
+        """`linear` (its Parameters kept) as a Linear keeping the FP8 rows `base` makes of their common input."""
+        if linear.in_features != base.in_features or not base.recipe.enabled:
+            raise ValueError(f"FP8InputLinear.beside: a Linear of {linear.in_features} inputs beside an FP8Linear of "
+                             f"{base.in_features} with recipe {base.recipe.name.value}")
+        new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, recipe=base.recipe,
+                  device="meta", input_cache=base._input_cache)
+        new.weight, new.bias = linear.weight, linear.bias
+        new.train(linear.training)
+        return new
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not (torch.is_grad_enabled() and self.weight.requires_grad):
+            return super().forward(x.to(self.weight.dtype))
+        x2d = x.reshape(-1, x.shape[-1])
+        plan = self._plans[runs_on_cublas(x2d, self.recipe)]
+        x_rows, x_rows_scale = _quantize_shared(self._input_cache, x, x2d, plan, False)[:2]
+        dev = x.device.type
+        dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else self.weight.dtype
+        return _FP8InputLinearFn.apply(x, self.weight, self.bias, x_rows, x_rows_scale, plan, dtype)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, input kept in FP8 ({self.recipe.name.value})"

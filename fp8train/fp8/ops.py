@@ -18,6 +18,8 @@ row-major and the contraction dimension last (the "operand layout", operands.py)
                               quantized by the kernel that computes them (swiglu.py, `fuse_swiglu`)
     gemm                      the one GEMM (gemm.py): the one route table picks a cuBLAS `scaled_mm` call
                               or the emulation (dequantize + FP32 matmul, every device)
+    rows_grad_weight          grad_weight of a high-precision Linear from its input's FP8 rows: a LoRA
+                              adapter's, which keeps the copy its frozen FP8 base made (FP8InputLinear)
 
 What the forward saves for backward: the FP8 input.T (1 byte per element; or, with the recipe's
 `wgrad_input_from_fp8`, the FP8 input rows it already made; with `input_t_in_backward`, compiled, the input
@@ -43,7 +45,7 @@ from torch import Tensor
 from .gemm import gemm
 from .operands import LinearPlan, OperandSpec, dequantize_operand, pad_operand, quantize_operand
 from .quant import dequantize, quantize
-from .recipe import BLOCK, Fp8Recipe, OperandConfig
+from .recipe import BLOCK, Fp8Format, Fp8Recipe, OperandConfig
 
 try:
     from . import kernels as _kernels
@@ -52,7 +54,7 @@ except ImportError:  # no triton (CPU-only installs): the reference path is used
 
 __all__ = ["reference_fp8_linear", "quantize_input", "quantize_weight", "weight_transposes", "transpose_weight",
            "wgrad_input", "saved_wgrad_input", "linear_forward", "linear_backward", "linear_backward_gemms",
-           "quantize_swiglu", "quantize_swiglu_grads", "swiglu_reference", "swiglu_grads_reference"]
+           "rows_grad_weight", "quantize_swiglu", "quantize_swiglu_grads", "swiglu_reference", "swiglu_grads_reference"]
 
 
 def reference_fp8_linear(x: Tensor, w: Tensor, dy: Tensor, recipe: Fp8Recipe) -> tuple[Tensor, Tensor, Tensor]:
@@ -212,6 +214,21 @@ def _backward_gemms_impl(g: Tensor, g_scale: Tensor, g_t: Tensor, g_t_scale: Ten
     return dx, dw
 
 
+def _rows_grad_weight_impl(g: Tensor, x_rows: Tensor, x_rows_scale: Tensor, plan: str, k: int,
+                           kernels: bool = True) -> Tensor:
+    """grad_weight [N, K] (FP32) of a high-precision Linear that kept its input only as the FP8 rows
+    `quantize_input` made (a LoRA adapter beside its frozen FP8 base): g.T @ x, x dequantized. On CUDA with
+    1x128 E4M3 tiles, power-of-two scales and a BF16 g, one kernel reads the FP8 rows (exact products, FP32
+    sums); otherwise the dequantized rows in an FP32 matmul."""
+    p = LinearPlan.parse(plan)
+    if (kernels and p.cublas and _kernels is not None and p.x.is_tile and p.x.fmt is Fp8Format.E4M3 and p.pow2
+            and g.dtype == torch.bfloat16):
+        if torch.compiler.is_compiling():
+            return _kernels.rows_grad_weight_op(g.contiguous(), x_rows, x_rows_scale, k)
+        return _kernels.rows_grad_weight(g.contiguous(), x_rows, x_rows_scale, k)
+    return g.float().t() @ dequantize_operand(x_rows, x_rows_scale, p.x)[:, :k]
+
+
 def swiglu_reference(g: Tensor, u: Tensor) -> Tensor:
     """h = silu(g) * u, as a Llama/Qwen2 MLP computes it (in g's and u's dtype)."""
     return F.silu(g) * u
@@ -336,6 +353,16 @@ def _(dh, g, u, plan, make_cols):
     return _quantize_swiglu_grads_impl(dh, g, u, plan, make_cols, kernels=False)
 
 
+@torch.library.custom_op("fp8train::rows_grad_weight", mutates_args=())
+def _rows_grad_weight_op(g: Tensor, x_rows: Tensor, x_rows_scale: Tensor, plan: str, k: int) -> Tensor:
+    return _rows_grad_weight_impl(g, x_rows, x_rows_scale, plan, k)
+
+
+@_rows_grad_weight_op.register_fake
+def _(g, x_rows, x_rows_scale, plan, k):
+    return g.new_empty((g.shape[1], k), dtype=torch.float32)
+
+
 def _opaque(plan: LinearPlan) -> bool:
     """Compiling without cuBLAS: the opaque op, whose reference arithmetic the compiler must not rewrite.
     Eagerly, and compiling on CUDA (traced into the graph), the implementation itself."""
@@ -387,3 +414,9 @@ def quantize_swiglu_grads(dh: Tensor, g: Tensor, u: Tensor, plan: LinearPlan, ma
     """The grad_output operands of the gate and up Linears (`plan`) from the SwiGLU's output gradient dh:
     dg's rows, scale, cols, scale, then du's (of `swiglu_grads_reference`; dg and du not written on CUDA)."""
     return (_quantize_swiglu_grads_op if _opaque(plan) else _quantize_swiglu_grads_impl)(dh, g, u, plan.key, make_cols)
+
+
+def rows_grad_weight(g: Tensor, x_rows: Tensor, x_rows_scale: Tensor, plan: LinearPlan, k: int) -> Tensor:
+    """grad_weight (FP32 [N, K]) from grad_output g [M, N] and the input's FP8 rows (`quantize_input`'s, K real
+    columns): `_rows_grad_weight_impl`."""
+    return (_rows_grad_weight_op if _opaque(plan) else _rows_grad_weight_impl)(g, x_rows, x_rows_scale, plan.key, k)

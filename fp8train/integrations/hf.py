@@ -43,6 +43,7 @@ from ..fp8.convert import ConversionReport, cache_fp8_weights, compile_options, 
 from ..fp8.health import track_fp8_health
 from ..fp8.linear import FP8Linear
 from ..fp8.recipe import make_recipe
+from ..train.lora import keep_adapter_inputs_fp8
 from ..train.metrics import health_scalars
 
 __all__ = ["convert_for_training", "FP8TrainerCallback"]
@@ -77,20 +78,25 @@ class FP8TrainerCallback(TrainerCallback):
     - with `torch_compile=True`, adds `fp8train.compile_options()` to the Trainer's compile;
     - while training, keeps frozen weights (a LoRA base) in FP8, made once (`freeze_fp8_weights`), with
       `offload_frozen` their high-precision values in host memory, with `keep_frozen_t` their FP8 transposes
-      too (1 more byte a weight; no backward transposes them).
+      too (1 more byte a weight; no backward transposes them);
+    - with `adapter_inputs_fp8`, has each LoRA adapter keep for backward its FP8 base's copy of their input
+      instead of the BF16 input (`fp8train.train.lora.keep_adapter_inputs_fp8`: for good, at construction).
 
     All of it ends with training, normally or by an exception (it wraps `trainer.train`); `release()` ends it
     by hand (idempotent).
     """
 
     def __init__(self, trainer: Trainer, *, health_every: int = 0, offload_frozen: bool = False,
-                 keep_frozen_t: bool = False):
+                 keep_frozen_t: bool = False, adapter_inputs_fp8: bool = False):
         if isinstance(health_every, bool) or not isinstance(health_every, int) or health_every < 0:
             raise ValueError(f"FP8TrainerCallback: health_every must be an integer >= 0, got {health_every!r}")
         if not any(isinstance(m, FP8Linear) for m in trainer.model.modules()):
             raise ValueError("FP8TrainerCallback: the trainer's model has no FP8 layers; call "
                              "fp8train.integrations.hf.convert_for_training(model) before building the trainer")
         self._trainer = trainer
+        if adapter_inputs_fp8 and not keep_adapter_inputs_fp8(trainer.model):
+            raise ValueError("FP8TrainerCallback: adapter_inputs_fp8 needs PEFT LoRA adapters without dropout on "
+                             "FP8 layers (convert_for_training, then get_peft_model or SFTTrainer(peft_config=...))")
         self.health_every = health_every
         self.offload_frozen, self.keep_frozen_t = offload_frozen, keep_frozen_t
         self._frozen = contextlib.ExitStack()

@@ -6,7 +6,8 @@ the adapters stay BF16 (FP32 masters) and train. The frozen base is held in BF16
 checkpoints ship it: an FP32 copy of weights that never change would only double their memory and cost a cast
 to BF16 in every step of a BF16 base. While the trainer trains, the base's FP8 weights are made
 once (`freeze_fp8_weights`; with `keep_weight_t` their transposes too), and on a GPU the base's own weights wait in
-host memory (`offload_base`). Activation checkpointing, compile and sharding follow
+host memory (`offload_base`). With `inputs_fp8` the adapters keep for backward the FP8 rows their base made of
+the input, not the input (`FP8InputLinear`). Activation checkpointing, compile and sharding follow
 (`parallelize_model`). Only the adapters are trainable, so the optimizer sees only them.
 
 A LoRA checkpoint's `model/` directory holds the frozen base as a plain Hugging Face model (the weights
@@ -27,9 +28,10 @@ import torch
 from torch import nn
 
 from ..fp8.convert import DECODER_PROJECTIONS
+from ..fp8.linear import FP8InputLinear, FP8Linear
 
-__all__ = ["LoraConfig", "apply_lora", "is_lora", "base_model", "save_lora_model", "load_lora_model",
-           "merged_model", "merge_adapter_tensors", "merge_saved_adapter", "ADAPTER_DIR"]
+__all__ = ["LoraConfig", "apply_lora", "is_lora", "base_model", "keep_adapter_inputs_fp8", "save_lora_model",
+           "load_lora_model", "merged_model", "merge_adapter_tensors", "merge_saved_adapter", "ADAPTER_DIR"]
 
 ADAPTER_DIR = "lora"
 _ADAPTER = "default"  # PEFT's adapter name
@@ -57,6 +59,10 @@ class LoraConfig:
     keep_weight_t: bool = False
     """Also keep each frozen base projection's W.T in FP8 (grad_input's operand: Hopper's FP8 GEMMs read both
     operands K-major): 1 more byte per base parameter on the GPU, and no backward transposes W."""
+    inputs_fp8: bool = False
+    """The adapters keep their input for backward as the FP8 copy their frozen base made of it (1 byte per
+    element, not BF16's 2; `fp8train.FP8InputLinear`): adapter A's gradient then reads E4M3's rounding of the
+    input, as the base's output GEMM does. FP8 recipes and adapters without dropout; a BF16 run keeps BF16."""
 
     def __post_init__(self):
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
@@ -69,9 +75,12 @@ class LoraConfig:
             raise ValueError(f"config key 'model.lora.base_dtype' must be bf16 or fp32, got {self.base_dtype!r}")
         if self.rank and not self.target_modules:
             raise ValueError("config key 'model.lora.target_modules' is empty: name the modules that get adapters")
-        if self.keep_weight_t and not self.rank:
-            raise ValueError("config key 'model.lora.keep_weight_t' needs 'model.lora.rank' > 0: only a frozen base "
-                             "keeps its W.T")
+        for key in ("keep_weight_t", "inputs_fp8"):
+            if getattr(self, key) and not self.rank:
+                raise ValueError(f"config key 'model.lora.{key}' needs 'model.lora.rank' > 0 (adapters on a frozen base)")
+        if self.inputs_fp8 and self.dropout:
+            raise ValueError("config key 'model.lora.inputs_fp8' needs 'model.lora.dropout' 0: with dropout the adapters "
+                             "read another tensor than their base")
 
     @property
     def enabled(self) -> bool:
@@ -111,7 +120,31 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, *, sharded: bool = False) -> n
         for p in model.parameters():
             if not p.requires_grad:
                 p.data = p.data.to(torch.bfloat16)
+    if cfg.inputs_fp8:
+        keep_adapter_inputs_fp8(model)
     return model
+
+
+def keep_adapter_inputs_fp8(model: nn.Module) -> int:
+    """In a PEFT LoRA model on FP8 bases, in place: each adapter A beside an enabled FP8Linear becomes an
+    FP8InputLinear (its Parameters and names kept), which keeps for backward the FP8 rows its base made of
+    their input (`model.lora.inputs_fp8`), and its layer hands it the input the base read (PEFT casts it to the
+    adapter's dtype first: a new tensor, whose FP8 rows would be made again). Layers with dropout on the
+    adapters' input are left as they are. Returns how many layers changed."""
+    from peft.tuners.lora import LoraLayer
+
+    changed = 0
+    for layer in model.modules():
+        base = getattr(layer, "base_layer", None)
+        if not (isinstance(layer, LoraLayer) and isinstance(base, FP8Linear) and base.recipe.enabled):
+            continue
+        if not all(isinstance(d, nn.Identity) for d in layer.lora_dropout.values()):
+            continue  # the adapters read dropout(x), not x
+        for name, a in layer.lora_A.items():
+            layer.lora_A[name] = FP8InputLinear.beside(a, base)
+        layer.cast_input_dtype_enabled = False  # FP8InputLinear casts as PEFT would
+        changed += 1
+    return changed
 
 
 def _scaling(config: dict) -> float:

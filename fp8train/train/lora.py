@@ -77,10 +77,11 @@ class LoraConfig:
             raise ValueError("config key 'model.lora.target_modules' is empty: name the modules that get adapters")
         for key in ("keep_weight_t", "inputs_fp8"):
             if getattr(self, key) and not self.rank:
-                raise ValueError(f"config key 'model.lora.{key}' needs 'model.lora.rank' > 0 (adapters on a frozen base)")
+                raise ValueError(f"config key 'model.lora.{key}' needs 'model.lora.rank' > 0 (adapters on a "
+                                 "frozen base)")
         if self.inputs_fp8 and self.dropout:
-            raise ValueError("config key 'model.lora.inputs_fp8' needs 'model.lora.dropout' 0: with dropout the adapters "
-                             "read another tensor than their base")
+            raise ValueError("config key 'model.lora.inputs_fp8' needs 'model.lora.dropout' 0: with dropout the "
+                             "adapters read another tensor than their base")
 
     @property
     def enabled(self) -> bool:

@@ -155,8 +155,8 @@ def _rows_grad_weight_failures() -> list:
         s = compute_scale(tiles.abs().amax(-1), Fp8Format.E4M3, True)
         q = (tiles * reciprocal(s)[..., None]).to(torch.float8_e4m3fn)
         g = torch.randn(m, n, generator=gen).to(torch.bfloat16)
-        # q as FP32 (the interpreter's FP8 conversion is wrong); the scales as the kernels lay them out
-        out = tq.rows_grad_weight(g, q.float().view(m, kp), s.t().contiguous().t(), k)
+        # q as FP32 (the interpreter's FP8 conversion is wrong); the scales in the ops' layout, [Kp/128, M]
+        out = tq.rows_grad_weight(g, q.float().view(m, kp), s.t().contiguous(), k)
         ref = g.double().t() @ (q.double() * s.double()[..., None]).view(m, kp)[:, :k]
         err = ((out.double() - ref).abs().max() / ref.abs().max()).item()
         if out.shape != (n, k) or out.dtype != torch.float32 or not err < 1e-6:
@@ -428,7 +428,7 @@ def mutation_analysis() -> dict:
                   TRANSPOSE=transpose, BLOCK=128)
         out[f"weight transpose={transpose}"] = accessed(tq._weight_kernel, kw)
     kw = dict(g_ptr=x[:, :16].contiguous(), M=M, N=16, stride_gm=16, q_ptr=torch.empty(M, K, dtype=fp8), K=K,
-              stride_qm=K, s_ptr=torch.empty(K // 128, M).t(), stride_sm=1, stride_sk=M,
+              stride_qm=K, s_ptr=torch.empty(K // 128, M), stride_sm=1, stride_sk=M,
               out_ptr=torch.empty(1, 16, K), M_SLICE=M, BLOCK_M=64, BLOCK_N=16, BLOCK=128, DOT_F32=False)
     out["rows_grad_weight"] = accessed(tq._rows_grad_weight_kernel, kw)
     return out

@@ -268,7 +268,7 @@ def _weight_kernel(
 def _rows_grad_weight_kernel(
     g_ptr, M, N, stride_gm,                   # g [M, N] BF16: the output gradient
     q_ptr, K, stride_qm,                      # x's FP8 rows [M, Kp] (1x128 tiles)
-    s_ptr, stride_sm, stride_sk,              # their scales (M, Kp/128), any strides
+    s_ptr, stride_sm, stride_sk,              # their scales, any strides (the ops' [Kp/128, M] buffer: M, 1)
     out_ptr,                                  # FP32 partial sums [slices, N, K]: one per slice of M_SLICE tokens
     M_SLICE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK: tl.constexpr,
     DOT_F32: tl.constexpr,  # Triton's interpreter multiplies BF16 dot operands' bit patterns: FP32 there
@@ -405,9 +405,12 @@ def quantize_blocks(w, fmt, pow2: bool, pad: int, transpose: bool = False, num_w
 
 def rows_grad_weight(g, q, s, k: int, _traced: bool = False):
     """dW [N, K] (FP32) = g.T @ x from BF16 g [M, N] and x's FP8 rows: data q [M, Kp] E4M3 with power-of-two
-    scales s (M, Kp/128) (the 1x128 tiles `quantize_tiles_and_transpose` makes); K = k real columns. Tokens are
+    scales s [Kp/128, M] (the 1x128 tiles in the ops' layout, `ops_layout`); K = k real columns. Tokens are
     split into slices, so that narrow x still fills the GPU, and the slices' sums added in FP32."""
     M, N = g.shape
+    if tuple(s.shape) != (q.shape[1] // _SIDE, M) or q.shape[0] != M:
+        raise ValueError(f"rows_grad_weight: rows {tuple(q.shape)} and scales {tuple(s.shape)} for {M} tokens: the "
+                         "scales must be the ops' [Kp/128, M] buffer")
     block_n = 64 if N > 32 else 32 if N > 16 else 16
     k_blocks, n_blocks = -(-k // _SIDE), -(-N // block_n)
     slices = max(1, min(-(-2 * _SMS // (k_blocks * n_blocks)), M // 512))  # two waves; >= 512 tokens a slice
@@ -415,7 +418,7 @@ def rows_grad_weight(g, q, s, k: int, _traced: bool = False):
     slices = -(-M // m_slice)
     out = torch.empty(slices, N, k, dtype=torch.float32, device=g.device)
     _launcher(_rows_grad_weight_kernel, _traced)[(k_blocks, n_blocks, slices)](
-        g, M, N, g.stride(0), q, k, q.stride(0), s, s.stride(0), s.stride(1), out,
+        g, M, N, g.stride(0), q, k, q.stride(0), s, s.stride(1), s.stride(0), out,
         M_SLICE=m_slice, BLOCK_M=64, BLOCK_N=block_n, BLOCK=_SIDE,
         DOT_F32=not isinstance(_rows_grad_weight_kernel, triton.runtime.JITFunction), num_warps=8, num_stages=4)
     return out[0] if slices == 1 else out.sum(0)

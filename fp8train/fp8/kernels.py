@@ -49,8 +49,7 @@ from .recipe import Fp8Format
 
 __all__ = ["abs_bits", "amax_bits", "inverse", "ops_layout", "quantize_blocks", "quantize_blocks_op", "quantize_swiglu",
            "quantize_swiglu_grads", "quantize_swiglu_grads_op", "quantize_swiglu_op", "quantize_tiles_and_transpose",
-           "quantize_tiles_op", "rows_grad_weight", "rows_grad_weight_op", "scale_from_amax_bits",
-           "scaled"]
+           "quantize_tiles_op", "rows_grad_weight", "rows_grad_weight_op", "scale_from_amax_bits", "scaled"]
 
 _SIDE = 128  # elements along each side of a scaling tile or block
 _NUM_WARPS = 8
@@ -268,7 +267,7 @@ def _weight_kernel(
 def _rows_grad_weight_kernel(
     g_ptr, M, N, stride_gm,                   # g [M, N] BF16: the output gradient
     q_ptr, K, stride_qm,                      # x's FP8 rows [M, Kp] (1x128 tiles)
-    s_ptr, stride_sm, stride_sk,              # their scales, any strides (the ops' [Kp/128, M] buffer: M, 1)
+    s_ptr, stride_sm, stride_sk,              # their scales by token and tile (the ops' [Kp/128, M]: 1, M)
     out_ptr,                                  # FP32 partial sums [slices, N, K]: one per slice of M_SLICE tokens
     M_SLICE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK: tl.constexpr,
     DOT_F32: tl.constexpr,  # Triton's interpreter multiplies BF16 dot operands' bit patterns: FP32 there
@@ -400,7 +399,6 @@ def quantize_blocks(w, fmt, pow2: bool, pad: int, transpose: bool = False, num_w
                                              BF16=w.dtype == torch.bfloat16, TRANSPOSE=transpose, BLOCK=_SIDE,
                                              num_warps=num_warps)
     return q, s
-
 
 
 def rows_grad_weight(g, q, s, k: int, _traced: bool = False):

@@ -54,7 +54,8 @@ except ImportError:  # no triton (CPU-only installs): the reference path is used
 
 __all__ = ["reference_fp8_linear", "quantize_input", "quantize_weight", "weight_transposes", "transpose_weight",
            "wgrad_input", "saved_wgrad_input", "linear_forward", "linear_backward", "linear_backward_gemms",
-           "rows_grad_weight", "quantize_swiglu", "quantize_swiglu_grads", "swiglu_reference", "swiglu_grads_reference"]
+           "rows_grad_weight", "quantize_swiglu", "quantize_swiglu_grads", "swiglu_reference",
+           "swiglu_grads_reference"]
 
 
 def reference_fp8_linear(x: Tensor, w: Tensor, dy: Tensor, recipe: Fp8Recipe) -> tuple[Tensor, Tensor, Tensor]:

@@ -274,8 +274,8 @@ def _seconds(a, b) -> float:
 
 
 # `+held`: hold_fp8_weights; `+keep_t`, `+inputs_fp8`: model.lora.keep_weight_t, model.lora.inputs_fp8
-_TRAINER_MODIFIERS = ("held", "keep_t", "inputs_fp8")
 _LORA_MODIFIERS = ("keep_t", "inputs_fp8")
+_TRAINER_MODIFIERS = ("held", *_LORA_MODIFIERS)
 
 
 def parse_variant(name: str) -> tuple[str, Fp8Recipe | None, frozenset[str]]:

@@ -518,7 +518,8 @@ def test_hold_fp8_weights_config_key(tmp_path, byte_tokenizer, corpus, capsys):
     fp8 = [m for m in trainer.model.modules() if isinstance(m, FP8Linear)]
     with trainer.fp8_weights():
         assert not any(m.held for m in fp8)
-    assert "hold_fp8_weights: off (needs fp8train's Triton AdamW on CUDA; optim.impl is auto on cpu)" in \
+    assert ("hold_fp8_weights: off (optim.impl auto on cpu: AdamW cannot write FP8 weights; "
+            "fp8train.train.adamw.TritonAdamW (CUDA) can)") in \
         capsys.readouterr().out
 
     class Writer:  # stands in for TritonAdamW, which needs Triton and CUDA

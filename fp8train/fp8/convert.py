@@ -190,8 +190,8 @@ def hold_fp8_weights(model: nn.Module, optimizer) -> Iterator[int]:
     layer holds a copy only where the optimizer steps its weight, as a whole tensor (not under FSDP: its layers
     hold none), and a weight shared by several layers is held by the first."""
     if not callable(getattr(optimizer, "write_fp8_blocks", None)):
-        raise TypeError(f"hold_fp8_weights: {type(optimizer).__name__} cannot write FP8 weights; "
-                        "fp8train.train.adamw.TritonAdamW can")
+        raise TypeError(f"{type(optimizer).__name__} cannot write FP8 weights; fp8train.train.adamw.TritonAdamW "
+                        "(CUDA) can")
     stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
     held = []
     try:

@@ -53,7 +53,7 @@ __all__ = ["abs_bits", "amax_bits", "inverse", "ops_layout", "quantize_blocks", 
 
 _SIDE = 128  # elements along each side of a scaling tile or block
 _NUM_WARPS = 8
-_SMS = 132  # an H100's (the H200's too): how many programs fill the GPU
+_INTERPRETER_SMS = 132  # the interpreter's stand-in for the SM count (an H100's, an H200's), so CPU checks slice alike
 _FP32_TINY = tl.constexpr(FP32_TINY)
 _INF_BITS = tl.constexpr(0x7F800000)
 
@@ -411,7 +411,9 @@ def rows_grad_weight(g, q, s, k: int, _traced: bool = False):
                          "scales must be the ops' [Kp/128, M] buffer")
     block_n = 64 if N > 32 else 32 if N > 16 else 16
     k_blocks, n_blocks = -(-k // _SIDE), -(-N // block_n)
-    slices = max(1, min(-(-2 * _SMS // (k_blocks * n_blocks)), M // 512))  # two waves; >= 512 tokens a slice
+    sms = (torch.cuda.get_device_properties(g.device).multi_processor_count if g.device.type == "cuda"
+           else _INTERPRETER_SMS)
+    slices = max(1, min(-(-2 * sms // (k_blocks * n_blocks)), M // 512))  # two waves; >= 512 tokens a slice
     m_slice = round_up(-(-M // slices), 128)
     slices = -(-M // m_slice)
     out = torch.empty(slices, N, k, dtype=torch.float32, device=g.device)

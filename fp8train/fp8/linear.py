@@ -56,11 +56,6 @@ def runs_on_cublas(x: Tensor, recipe: Fp8Recipe) -> bool:
     return _use_cublas(x) and not recipe.emulate
 
 
-def _plans(recipe: Fp8Recipe) -> dict[bool, LinearPlan]:
-    """The recipe's plans for the emulated (False) and the cuBLAS (True) path."""
-    return {c: LinearPlan.of(recipe, c) for c in (False, True)}
-
-
 def _quantize_shared(cache: WeakIdKeyDictionary | None, x: Tensor, x2d: Tensor, plan: LinearPlan,
                      make_cols: bool) -> tuple[Tensor, ...]:
     """x's (rows data, scale, cols data, scale); the layers reading one tensor (q/k/v, gate/up, a LoRA adapter
@@ -130,7 +125,7 @@ class FP8Linear(nn.Linear):
                  device=None, dtype=None, *, input_cache: WeakIdKeyDictionary | None = None):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.recipe = make_recipe(recipe)
-        self._plans = _plans(self.recipe) if self.recipe.enabled else None
+        self._plans = LinearPlan.per_route(self.recipe) if self.recipe.enabled else None
         self._input_cache = input_cache
         # Off by default: optimizers may update weights without bumping their version counter (fused AdamW
         # does not), so a cache keyed on it can go stale. `cache_weight(True)` is for the micro-batches of
@@ -360,9 +355,8 @@ class FP8Linear(nn.Linear):
                                   self._fp8_w_t_scale, self._health_sink, stats, plan, out_dtype)
 
     def extra_repr(self) -> str:
-        kept = ", held in FP8" if self.held else ""
-        if self.frozen:
-            kept = ", frozen in FP8" + (" with W.T" if self._fp8_w_t is not None else "")
+        kept = (", frozen in FP8" + (" with W.T" if self._fp8_w_t is not None else "") if self.frozen
+                else ", held in FP8" if self.held else "")
         return f"{super().extra_repr()}, recipe={self.recipe.name.value}, pow2_scale={self.recipe.pow2_scale}{kept}"
 
 
@@ -412,7 +406,7 @@ class FP8InputLinear(nn.Linear):
         self.recipe = make_recipe(recipe)
         if not self.recipe.enabled:
             raise ValueError("FP8InputLinear: the recipe quantizes no input (bf16)")
-        self._plans = _plans(self.recipe)
+        self._plans = LinearPlan.per_route(self.recipe)
         self._input_cache = input_cache
 
     @classmethod

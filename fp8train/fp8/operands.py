@@ -117,6 +117,11 @@ class LinearPlan:
                    spec(r.grad_weight.b, "grad_weight"), r.pow2_scale, cublas, r.wgrad_input_from_fp8,
                    r.deep_gemm and cublas)
 
+    @classmethod
+    def per_route(cls, recipe: Fp8Recipe) -> dict[bool, "LinearPlan"]:
+        """The recipe's plans for the emulated (False) and the cuBLAS (True) route."""
+        return {c: cls.of(recipe, c) for c in (False, True)}
+
     @property
     def key(self) -> str:
         specs = ",".join(getattr(self, f).key for f in _PLAN_FIELDS)

@@ -155,7 +155,7 @@ class FP8SwiGLUMLP(nn.Module):
         self.mlp_class = type(mlp).__name__
         # the down projection's input operand quantizes g and u (fixed here: PEFT may wrap the projections later)
         self.recipe = mlp.down_proj.recipe
-        self._plans = {c: LinearPlan.of(self.recipe, c) for c in (False, True)}
+        self._plans = LinearPlan.per_route(self.recipe)
 
     def _fusable(self) -> bool:
         """Whether the three projections are still plain FP8Linears the fused path may run (module docstring)."""

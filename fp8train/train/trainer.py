@@ -437,19 +437,15 @@ class Trainer:
                 offload = lora.offload_base and self.device.type == "cuda"
                 stack.enter_context(freeze_fp8_weights(self.model, offload=offload, keep_t=lora.keep_weight_t))
             if self.cfg.hold_fp8_weights:
-                why = self._why_not_held()
-                held = 0 if why else stack.enter_context(hold_fp8_weights(self.model, self.optimizer))
-                why = why or "no FP8 Linear trains a weight in 128x128 blocks"
+                try:
+                    held = stack.enter_context(hold_fp8_weights(self.model, self.optimizer))
+                    why = "no FP8 Linear trains a whole weight in 128x128 blocks" + (
+                        ": FSDP's ranks step shards of each weight" if self.world.sharded else "")
+                except TypeError as e:  # the optimizer cannot write FP8 weights (nothing was held)
+                    held, why = 0, f"optim.impl {self.cfg.optim.impl} on {self.device.type}: {e}"
                 self.logger.write(f"hold_fp8_weights: {held} layers hold their FP8 weights, written by the optimizer"
                                   if held else f"hold_fp8_weights: off ({why})")
             yield
-
-    def _why_not_held(self) -> str | None:
-        if not callable(getattr(self.optimizer, "write_fp8_blocks", None)):
-            return f"needs fp8train's Triton AdamW on CUDA; optim.impl is {self.cfg.optim.impl} on {self.device.type}"
-        if self.world.sharded:
-            return "FSDP's ranks step shards of each weight"
-        return None
 
     def _train_loop(self, result: TrainResult) -> None:
         """Steps overlap: step N is read and logged after step N + 1 is enqueued, so the device never waits

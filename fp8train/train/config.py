@@ -134,8 +134,8 @@ class TrainConfig:
     only; docs/fidelity.md). Off by default: the paper's recipe tiles this operand per token."""
     deep_gemm: bool = False
     """Run the hybrid recipe's output and grad_input GEMMs on DeepGEMM's SM90 kernel instead of cuBLAS's: the
-    same numbers, 2% faster steps at Qwen2.5-7B, 5% for LoRA (docs/benchmarks.md section 0a, which says how to
-    build DeepGEMM). Ignored on the CPU."""
+    same numbers, 2% faster steps at Qwen2.5-7B, 5% for LoRA (docs/benchmarks.md section 0a;
+    benchmarks/build_deep_gemm.sh builds DeepGEMM). Ignored on the CPU."""
     hold_fp8_weights: bool = False
     """Keep each FP8 Linear weight's FP8 copy (E4M3, 128x128 blocks) between steps, written by the optimizer's
     step as it updates the weight (`fp8train.hold_fp8_weights`): no forward or backward quantizes a weight (the

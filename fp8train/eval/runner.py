@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -34,8 +34,10 @@ MC_INSTRUCTION = (
 )
 
 
-@dataclass
-class EvalConfig:
+@dataclass(kw_only=True)
+class EvalConfig(SamplingConfig):
+    """What `fp8train eval` runs: the sampling (`SamplingConfig`'s keys; greedy decoding needs samples 1, and
+    `seed` also shuffles mc options), the problems and how to read and prompt them, where the results go."""
     model: str
     """Model directory (config, weights and tokenizer), e.g. an `fp8train export` output or a training
     checkpoint (its model/ directory is used)."""
@@ -43,18 +45,6 @@ class EvalConfig:
     """Problems: JSONL (one object per line) or JSON (a list, or an object with a `problems` list/dict)."""
     task: str = "math"
     """`math` (final-answer equivalence) or `mc` (multiple-choice letter)."""
-    samples: int = 1
-    """Completions per problem: pass@1 is averaged over them, maj@k votes among them."""
-    temperature: float = 0.6
-    """Sampling temperature."""
-    top_p: float = 0.95
-    """Nucleus sampling mass."""
-    max_new_tokens: int = 2048
-    """Longest completion."""
-    batch_size: int = 8
-    """Sequences per transformers generate() call."""
-    greedy: bool = False
-    """Greedy decoding (then samples must be 1)."""
     force_think: bool = False
     """Open the assistant turn with "<think>\\n" so the model starts by reasoning."""
     question_field: str = "question"
@@ -67,8 +57,6 @@ class EvalConfig:
     out: str | None = None
     """Output directory, refused when it holds earlier results; default eval_results/<model dir name>_<data
     file stem>, or the first of its _2, _3, ... siblings that holds none."""
-    seed: int = 0
-    """Seed of the sampler and of the mc option shuffle."""
     backend: str = "auto"
     """`hf` (transformers), `vllm`, or `auto` (vLLM when importable and a GPU is present)."""
     limit: int | None = None
@@ -261,10 +249,9 @@ def run_eval(cfg: EvalConfig) -> dict:
     convs = [([{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else [])
              + [{"role": "user", "content": _user_message(p, cfg)}] for p in problems]
     prompts = render_prompts(tokenizer, convs, cfg.chat_template, cfg.force_think)
-    sampling = SamplingConfig(**{f.name: getattr(cfg, f.name) for f in fields(SamplingConfig)})  # same-named keys
     on_cpu = backend == "hf" and not torch.cuda.is_available()
     with cpu_threads(cfg.cpu_threads if on_cpu else None):
-        completions = generate(model, tokenizer, prompts, sampling, backend,
+        completions = generate(model, tokenizer, prompts, cfg, backend,
                                add_special_tokens=not cfg.chat_template)
 
     math = cfg.task == "math"

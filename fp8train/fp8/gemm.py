@@ -117,7 +117,7 @@ def load_deep_gemm():
         import deep_gemm
     except ImportError as e:
         raise ValueError(f"config key 'deep_gemm' is true but DeepGEMM does not import ({e}); build it with "
-                         "benchmarks/build_deep_gemm.sh (docs/benchmarks.md section 0a), or set deep_gemm: false") from None
+                         "benchmarks/build_deep_gemm.sh (docs/benchmarks.md 0a), or set deep_gemm: false") from None
     if torch.cuda.is_available():
         deep_gemm.get_num_sms()  # (its device state: the workspace, on the current device)
     return deep_gemm

@@ -6,9 +6,9 @@ training, data, export and evaluation layers load on first use, so `import fp8tr
 
 import importlib
 
-from .fp8 import (ConversionReport, FP8InputLinear, FP8Linear, Fp8Format, Fp8Recipe, Fp8Tensor, RecipeName, cache_fp8_weights,
-                  compile_options, convert_to_fp8, dequantize, freeze_fp8_weights, hold_fp8_weights, make_recipe,
-                  parse_recipe, quantize, summarize_fp8_health, track_fp8_health)
+from .fp8 import (ConversionReport, FP8InputLinear, FP8Linear, Fp8Format, Fp8Recipe, Fp8Tensor, RecipeName,
+                  cache_fp8_weights, compile_options, convert_to_fp8, dequantize, freeze_fp8_weights, hold_fp8_weights,
+                  make_recipe, parse_recipe, quantize, summarize_fp8_health, track_fp8_health)
 
 _LAZY = {
     # training

@@ -449,6 +449,24 @@ def mutation_analysis() -> dict:
     return out
 
 
+def op_registrations() -> dict:
+    """Each fp8train op (the kernels' triton_ops, the ops' and gemm's custom ops; all imported, as on a GPU):
+    {qualified name: [how many define it, whether the dispatcher's schema is the one it was defined with]}. A
+    second definition of a name replaces the first silently, and calls of the first then miss arguments."""
+    from torch._library.custom_ops import CustomOpDef
+
+    from fp8train.fp8 import gemm, kernels, ops
+
+    out: dict[str, list] = {}
+    for module in (kernels, gemm, ops):
+        for op in (v for v in vars(module).values() if isinstance(v, CustomOpDef)):
+            schema = str(getattr(torch.ops.fp8train, op._qualname.split("::")[1]).default._schema)
+            same = schema == op._qualname + op._schema
+            count = out.get(op._qualname, [0])[0] + 1
+            out[op._qualname] = [count, same and out.get(op._qualname, [0, True])[1]]
+    return out
+
+
 if __name__ == "__main__":
     print(json.dumps({"interpret": interpret, "exhaustive": exhaustive, "compile": compile_sm90,
-                      "mutation": mutation_analysis}[sys.argv[1]]()))
+                      "mutation": mutation_analysis, "ops": op_registrations}[sys.argv[1]]()))

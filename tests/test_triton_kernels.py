@@ -63,3 +63,13 @@ def test_compiler_sees_the_kernels_inputs_as_read_only():
                 {"qc_ptr", "sc_ptr"} if "cols=True" in name else set())
         assert set(acc["writes"]) == outputs, f"{name}: {acc}"
         assert {"x_ptr", "w_ptr", "q_ptr"} & set(acc["reads"]), f"{name}: {acc}"
+
+
+def test_each_op_name_is_defined_once():
+    """The Triton kernels' ops (kernels.py) and the custom ops beside them (ops.py, gemm.py) share the
+    `fp8train::` namespace, and are all defined only where Triton imports (a GPU machine): a name defined twice
+    silently replaces the first op, whose callers (compiled on CUDA) then fail on a schema that is not theirs."""
+    res = _check("ops")
+    assert {"fp8train::rows_grad_weight", "fp8train::rows_grad_weight_kernel", "fp8train::quantize_tiles"} <= res.keys()
+    for name, (count, schema_matches) in res.items():
+        assert count == 1 and schema_matches, (name, count, schema_matches)

@@ -461,6 +461,6 @@ def quantize_blocks_op(w: torch.Tensor, dtype: torch.dtype, pow2: bool, pad: int
     return quantize_blocks(w, _FORMATS[dtype], pow2, pad, transpose, _traced=True)
 
 
-@torch.library.triton_op("fp8train::rows_grad_weight", mutates_args=())
+@torch.library.triton_op("fp8train::rows_grad_weight_kernel", mutates_args=())  # ops.py has rows_grad_weight
 def rows_grad_weight_op(g: torch.Tensor, q: torch.Tensor, s: torch.Tensor, k: int) -> torch.Tensor:
     return rows_grad_weight(g, q, s, k, _traced=True)

@@ -27,8 +27,8 @@ from ..data import GlobalBatchSampler, build_cpt_datasets, build_sft_datasets, c
 from ..data.tokenizer import end_of_turn_ids
 from ..fp8.convert import cache_fp8_weights, convert_to_fp8, freeze_fp8_weights, hold_fp8_weights
 from ..fp8.health import track_fp8_health
-from ..fp8.linear import FP8InputLinear
 from ..fp8.gemm import load_deep_gemm
+from ..fp8.linear import FP8InputLinear
 from ..export import export_hf
 from ..threads import cpu_threads
 from .adamw import read_later

@@ -370,13 +370,13 @@ def test_adapter_keeping_its_bases_fp8_input_on_cuda(mode):
             return adapter(t)
 
         fn = torch.compile(both) if dev == "cuda" and mode != "eager" else both
-        xr = x.to(dev).requires_grad_()
+        xr = x.to(dev, copy=True).requires_grad_()  # a leaf of its own on the CPU too, not x itself
         saved = []
         with torch.autocast(dev, torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(
                 lambda t: saved.append(t) or t, lambda t: t):
             y = fn(xr)
         y.backward(g.to(dev))
-        xq = x.to(dev).requires_grad_()
+        xq = x.to(dev, copy=True).requires_grad_()
         with torch.autocast(dev, torch.bfloat16):
             ry = ref(xq.float())
         ry.backward(g.to(dev))

@@ -416,12 +416,14 @@ def rows_grad_weight(g, q, s, k: int, _traced: bool = False):
     slices = max(1, min(-(-2 * sms // (k_blocks * n_blocks)), M // 512))  # two waves; >= 512 tokens a slice
     m_slice = round_up(-(-M // slices), 128)
     slices = -(-M // m_slice)
-    out = torch.empty(slices, N, k, dtype=torch.float32, device=g.device)
+    # [slices * N, k], not [slices, N, k]: one slice returns the buffer itself, since inductor's scheduler fails
+    # (KeyError) on a triton_op returning a view of the buffer its kernel wrote
+    out = torch.empty(slices * N, k, dtype=torch.float32, device=g.device)
     _launcher(_rows_grad_weight_kernel, _traced)[(k_blocks, n_blocks, slices)](
         g, M, N, g.stride(0), q, k, q.stride(0), s, s.stride(1), s.stride(0), out,
         M_SLICE=m_slice, BLOCK_M=64, BLOCK_N=block_n, BLOCK=_SIDE,
         DOT_F32=not isinstance(_rows_grad_weight_kernel, triton.runtime.JITFunction), num_warps=8, num_stages=4)
-    return out[0] if slices == 1 else out.sum(0)
+    return out if slices == 1 else out.view(slices, N, k).sum(0)
 
 
 # ------------------------------------------------------------------------ the same, as torch ops

@@ -161,6 +161,18 @@ def _rows_grad_weight_failures() -> list:
         err = ((out.double() - ref).abs().max() / ref.abs().max()).item()
         if out.shape != (n, k) or out.dtype != torch.float32 or not err < 1e-6:
             failures.append(f"rows_grad_weight m={m} n={n} k={k}: {tuple(out.shape)} {out.dtype}, error {err:.2e}")
+    # the launch configurations benchmarks/bench_rows_grad_weight.py sweeps: the same sums, each token once (2100
+    # tokens: slices of whole BLOCK_M steps, the last one ragged)
+    m, n, k = 2100, 16, 384
+    x = torch.randn(m, k, generator=gen)
+    s = compute_scale(x.view(m, 3, 128).abs().amax(-1), Fp8Format.E4M3, True)
+    q = (x.view(m, 3, 128) * reciprocal(s)[..., None]).to(torch.float8_e4m3fn).float().view(m, k)
+    g = torch.randn(m, n, generator=gen).to(torch.bfloat16)
+    want = tq.rows_grad_weight(g, q, s.t().contiguous(), k)
+    for cfg in ({"block_m": 128, "waves": 4}, {"block_m": 256, "num_warps": 4, "waves": 4}):
+        err = ((tq.rows_grad_weight(g, q, s.t().contiguous(), k, **cfg) - want).abs().max() / want.abs().max()).item()
+        if not err < 1e-6:
+            failures.append(f"rows_grad_weight {cfg}: {err:.2e} from the default launch's sums")
     # through the ops as the CUDA path calls it: the rows and scales `quantize_input` hands over for the cuBLAS
     # plan (its reference here, in the same layout), against the ops' reference product
     from fp8train.fp8 import ops

@@ -401,10 +401,12 @@ def quantize_blocks(w, fmt, pow2: bool, pad: int, transpose: bool = False, num_w
     return q, s
 
 
-def rows_grad_weight(g, q, s, k: int, _traced: bool = False):
+def rows_grad_weight(g, q, s, k: int, _traced: bool = False, *, block_m: int = 64, num_warps: int = 8,
+                     num_stages: int = 4, waves: int = 2):
     """dW [N, K] (FP32) = g.T @ x from BF16 g [M, N] and x's FP8 rows: data q [M, Kp] E4M3 with power-of-two
     scales s [Kp/128, M] (the 1x128 tiles in the ops' layout, `ops_layout`); K = k real columns. Tokens are
-    split into slices, so that narrow x still fills the GPU, and the slices' sums added in FP32."""
+    split into slices, so that narrow x still fills the GPU (`waves` programs per SM), and the slices' sums
+    added in FP32. The launch keywords are benchmarks/bench_rows_grad_weight.py's sweep."""
     M, N = g.shape
     if tuple(s.shape) != (q.shape[1] // _SIDE, M) or q.shape[0] != M:
         raise ValueError(f"rows_grad_weight: rows {tuple(q.shape)} and scales {tuple(s.shape)} for {M} tokens: the "
@@ -413,16 +415,17 @@ def rows_grad_weight(g, q, s, k: int, _traced: bool = False):
     k_blocks, n_blocks = -(-k // _SIDE), -(-N // block_n)
     sms = (torch.cuda.get_device_properties(g.device).multi_processor_count if g.device.type == "cuda"
            else _INTERPRETER_SMS)
-    slices = max(1, min(-(-2 * sms // (k_blocks * n_blocks)), M // 512))  # two waves; >= 512 tokens a slice
-    m_slice = round_up(-(-M // slices), 128)
+    slices = max(1, min(-(-waves * sms // (k_blocks * n_blocks)), M // 512))  # >= 512 tokens a slice
+    m_slice = round_up(-(-M // slices), max(128, block_m))  # whole BLOCK_M steps: no slice reads the next's
     slices = -(-M // m_slice)
     # [slices * N, k], not [slices, N, k]: one slice returns the buffer itself, since inductor's scheduler fails
     # (KeyError) on a triton_op returning a view of the buffer its kernel wrote
     out = torch.empty(slices * N, k, dtype=torch.float32, device=g.device)
     _launcher(_rows_grad_weight_kernel, _traced)[(k_blocks, n_blocks, slices)](
         g, M, N, g.stride(0), q, k, q.stride(0), s, s.stride(1), s.stride(0), out,
-        M_SLICE=m_slice, BLOCK_M=64, BLOCK_N=block_n, BLOCK=_SIDE,
-        DOT_F32=not isinstance(_rows_grad_weight_kernel, triton.runtime.JITFunction), num_warps=8, num_stages=4)
+        M_SLICE=m_slice, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK=_SIDE,
+        DOT_F32=not isinstance(_rows_grad_weight_kernel, triton.runtime.JITFunction), num_warps=num_warps,
+        num_stages=num_stages)
     return out if slices == 1 else out.view(slices, N, k).sum(0)
 
 

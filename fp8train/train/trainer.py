@@ -439,10 +439,11 @@ class Trainer:
             if self.cfg.hold_fp8_weights:
                 try:
                     held = stack.enter_context(hold_fp8_weights(self.model, self.optimizer))
-                    why = "no FP8 Linear trains a whole weight in 128x128 blocks" + (
-                        ": FSDP's ranks step shards of each weight" if self.world.sharded else "")
                 except TypeError as e:  # the optimizer cannot write FP8 weights (nothing was held)
                     held, why = 0, f"optim.impl {self.cfg.optim.impl} on {self.device.type}: {e}"
+                else:
+                    why = "no FP8 Linear trains a whole weight in 128x128 blocks" + (
+                        ": FSDP's ranks step shards of each weight" if self.world.sharded else "")
                 self.logger.write(f"hold_fp8_weights: {held} layers hold their FP8 weights, written by the optimizer"
                                   if held else f"hold_fp8_weights: off ({why})")
             yield

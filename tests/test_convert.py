@@ -72,7 +72,9 @@ def test_recipe_specs():
     assert parse_recipe("hybrid+exact+deep_gemm") == make_recipe("hybrid", pow2_scale=False, deep_gemm=True)
     assert parse_recipe("tensorwise+fused").fuse_swiglu and not parse_recipe("hybrid+unfused").fuse_swiglu
     assert parse_recipe("hybrid+wgrad_from_fp8") == replace(make_recipe("hybrid"), wgrad_input_from_fp8=True)
-    for spec in ("hybrid", "hybrid+exact+deep_gemm", "hybrid+wgrad_blocks+unfused", "tensorwise+fused", "bf16"):
+    assert parse_recipe("hybrid+fuse_rows").fuse_row_quantization and not make_recipe("hybrid").fuse_row_quantization
+    for spec in ("hybrid", "hybrid+exact+deep_gemm", "hybrid+wgrad_blocks+unfused", "tensorwise+fused", "bf16",
+                 "hybrid+deep_gemm+fuse_rows"):
         assert parse_recipe(spec).spec == spec and parse_recipe(parse_recipe(spec).spec) == parse_recipe(spec)
     assert make_recipe("hybrid", fuse_swiglu=True).spec == "hybrid"  # the named recipe's own value: no modifier
     with pytest.raises(ValueError, match="recipe 'hybrid.fast': unknown modifier 'fast'"):

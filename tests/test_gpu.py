@@ -391,6 +391,41 @@ def test_adapter_keeping_its_bases_fp8_input_on_cuda(mode):
     assert rel.item() < 1e-5
 
 
+def test_frozen_base_rows_traced_for_inductor():
+    """`fuse_row_quantization` (`+fuse_rows`): compiled, a frozen FP8 base's rows-only quantizations (its input,
+    its grad_output) are torch ops inductor fuses into their producers; the output and every gradient agree
+    with the tile kernels' run at FP8's level (inductor may quantize a fused producer's value before its BF16
+    rounding) and the plan's key carries the flag."""
+    import torch._dynamo
+    from torch.utils.weak import WeakIdKeyDictionary
+
+    K, N = 3584, 1024
+    a, b = _activation((2048, K), torch.bfloat16), _activation((2048, K), torch.bfloat16, seed=1)
+    dy = torch.randn(2048, N, generator=torch.Generator().manual_seed(2)).bfloat16().cuda()
+    w = torch.randn(N, K, generator=torch.Generator().manual_seed(3)) * 0.02
+    out = {}
+    for spec in ("hybrid", "hybrid+fuse_rows"):
+        torch._dynamo.reset()
+        base = FP8Linear.from_linear(torch.nn.Linear(K, N, bias=False), parse_recipe(spec), WeakIdKeyDictionary())
+        base.weight.data = w.clone()
+        base = base.cuda()
+        base.weight.requires_grad_(False)
+        base.freeze_weight(True)
+
+        def fn(a, b):
+            return base(torch.nn.functional.silu(a) * b) * 1.5  # producers on both sides of the GEMMs
+
+        ar, br = a.cuda().requires_grad_(), b.cuda().requires_grad_()
+        with torch.autocast("cuda", torch.bfloat16):
+            y = torch.compile(fn)(ar, br)
+        y.backward(dy)
+        out[spec] = (y.float(), ar.grad.float(), br.grad.float())
+        assert base.plan(ar).fuse_rows == spec.endswith("fuse_rows")
+        assert LinearPlan.parse(base.plan(ar).key) == base.plan(ar)
+    for got, ref in zip(out["hybrid+fuse_rows"], out["hybrid"]):
+        assert _sqnr(got, ref) > 40
+
+
 def _run_qwen2_mlp(x, recipe, compiled):
     """A Qwen2 MLP at 1.5B width (seeded weights), converted whole by `recipe`, run on x (eagerly or
     compiled) under BF16 autocast: [output, x.grad, gate's, up's and down's weight gradients]."""

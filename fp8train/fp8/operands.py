@@ -106,6 +106,7 @@ class LinearPlan:
     cublas: bool
     x_t_from_fp8: bool
     deep_gemm: bool = False  # tile x block GEMMs (output, grad_input) on DeepGEMM's SM90 kernel (with cublas)
+    fuse_rows: bool = False  # compiled, a rows-only activation quantization traced for inductor to fuse (cublas)
 
     @classmethod
     def of(cls, recipe: Fp8Recipe, cublas: bool) -> "LinearPlan":
@@ -115,7 +116,7 @@ class LinearPlan:
         return cls(spec(r.output.a, "output"), spec(r.output.b, "output"), spec(r.grad_input.a, "grad_input"),
                    spec(r.grad_input.b, "grad_input"), spec(r.grad_weight.a, "grad_weight"),
                    spec(r.grad_weight.b, "grad_weight"), r.pow2_scale, cublas, r.wgrad_input_from_fp8,
-                   r.deep_gemm and cublas)
+                   r.deep_gemm and cublas, r.fuse_row_quantization and cublas)
 
     @classmethod
     def per_route(cls, recipe: Fp8Recipe) -> dict[bool, "LinearPlan"]:
@@ -125,7 +126,7 @@ class LinearPlan:
     @property
     def key(self) -> str:
         specs = ",".join(getattr(self, f).key for f in _PLAN_FIELDS)
-        return f"{specs};{int(self.pow2)}{int(self.cublas)}{int(self.x_t_from_fp8)}{int(self.deep_gemm)}"
+        return f"{specs};{int(self.pow2)}{int(self.cublas)}{int(self.x_t_from_fp8)}{int(self.deep_gemm)}{int(self.fuse_rows)}"
 
     @staticmethod
     def parse(key: str) -> "LinearPlan":

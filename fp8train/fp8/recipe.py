@@ -130,6 +130,12 @@ class Fp8Recipe:
     at the 7B projection shapes, 2% per training step (docs/benchmarks.md section 0a). grad_weight (tile x
     tile) stays on cuBLAS, which is faster there.
     Needs DeepGEMM installed; no effect where the GEMMs are emulated."""
+    fuse_row_quantization: bool = False
+    """Under torch.compile on CUDA, an activation quantized into its 1x128 rows alone (no token-tiled copy: a
+    frozen base's input and grad_output, LoRA's) is traced from the reference's torch ops instead of launching
+    the tile kernel, so inductor fuses it into the kernel that produces the activation (the SwiGLU and its
+    derivatives with LoRA's adds, the residual adds, RoPE's backward): the activation is not read again. The
+    same numbers. (Token-tiled copies stay on the kernel: inductor's code for them is slow.)"""
 
     @property
     def enabled(self) -> bool:
@@ -192,6 +198,7 @@ MODIFIERS = {  # `+name` in a recipe spec (`hybrid+exact+deep_gemm`): (Fp8Recipe
     "unfused": ("fuse_swiglu", False),
     "t_bwd": ("input_t_in_backward", True),
     "t_fwd": ("input_t_in_backward", False),
+    "fuse_rows": ("fuse_row_quantization", True),
 }
 
 

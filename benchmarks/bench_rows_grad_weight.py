@@ -34,6 +34,11 @@ def _us(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
 
 
+# FP32 sums of TOKENS products: relative to the largest sum, a few units of sqrt(TOKENS) * 2^-24 (2.2e-6 measured
+# at K=18944 on an H100), whichever order the launch sums in
+_TOL = 4 * TOKENS ** 0.5 * 2.0 ** -24
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
 
@@ -49,7 +54,7 @@ def run(rank: int, widths: list[int]) -> list[dict]:
         q, s = ops.quantize_input(x, plan, False)[:2]
         want = g.double().t() @ dequantize_operand(q, s, plan.x).double()[:, :k]
         base = tq.rows_grad_weight(g, q, s, k)
-        if _rel(base, want) > 1e-6:
+        if _rel(base, want) > _TOL:
             raise SystemExit(f"rows_grad_weight at K={k}: error {_rel(base, want):.1e} against FP64")
         read = x.numel() + s.numel() * 4 + g.numel() * 2  # bytes the kernel must read
         bf16_us = _us(lambda: g.t() @ x)
@@ -57,7 +62,7 @@ def run(rank: int, widths: list[int]) -> list[dict]:
                      "GB/s": (2 * x.numel() + g.numel() * 2) / bf16_us / 1e3, "x BF16": 1.0})
         for cfg in SWEEP:
             out = tq.rows_grad_weight(g, q, s, k, **cfg)
-            if _rel(out, base) > 1e-6:
+            if _rel(out, base) > _TOL:
                 raise SystemExit(f"rows_grad_weight {cfg} at K={k}: {_rel(out, base):.1e} from the default's")
             us = _us(lambda: tq.rows_grad_weight(g, q, s, k, **cfg))
             name = " ".join(f"{a}={b}" for a, b in cfg.items()) + (" (default)" if cfg == DEFAULT else "")

@@ -70,6 +70,9 @@ _KERNEL_CATEGORIES = [  # (category, regex on the CUDA kernel name), first match
     ("quantization", r"_act_kernel|_weight_kernel"),
     ("attention", r"flash|fmha|attention|sdpa|_efficient"),
     ("optimizer", r"adam|multi_tensor|foreach"),
+    # inductor's fused kernels (named by the ops they fuse: a quantization traced for it, `fuse_row_quantization`,
+    # may carry a GEMM's name into them)
+    ("norms and elementwise", r"^triton_(poi|per|red)_"),
     ("gemm", r"gemm|nvjet|cutlass|xmma|cublas|matmul|sm90_"),
     ("communication", r"nccl"),
     ("norms and elementwise", r"."),

@@ -393,37 +393,43 @@ def test_adapter_keeping_its_bases_fp8_input_on_cuda(mode):
 
 def test_frozen_base_rows_traced_for_inductor():
     """`fuse_row_quantization` (`+fuse_rows`): compiled, a frozen FP8 base's rows-only quantizations (its input,
-    its grad_output) are torch ops inductor fuses into their producers; the output and every gradient agree
-    with the tile kernels' run at FP8's level (inductor may quantize a fused producer's value before its BF16
-    rounding) and the plan's key carries the flag."""
+    its grad_output) are torch ops inductor fuses into their producers. Inductor quantizes a fused producer's
+    FP32 value, not its BF16 rounding, so some FP8 values differ from the tile kernels' by one step: the output
+    and gradients must be as close to the FP64 product as the tile kernels' run (within 0.5 dB), and the plan's
+    key carries the flag."""
     import torch._dynamo
     from torch.utils.weak import WeakIdKeyDictionary
 
     K, N = 3584, 1024
     a, b = _activation((2048, K), torch.bfloat16), _activation((2048, K), torch.bfloat16, seed=1)
-    dy = torch.randn(2048, N, generator=torch.Generator().manual_seed(2)).bfloat16().cuda()
+    dy = torch.randn(2048, N, generator=torch.Generator().manual_seed(2)).bfloat16()
     w = torch.randn(N, K, generator=torch.Generator().manual_seed(3)) * 0.02
-    out = {}
+
+    def fn(linear, a, b):
+        return linear(torch.nn.functional.silu(a) * b) * 1.5  # producers on both sides of the GEMMs
+
+    a64, b64 = a.double().requires_grad_(), b.double().requires_grad_()
+    exact = torch.nn.Linear(K, N, bias=False).double()
+    exact.weight.data = w.double()
+    fn(exact, a64, b64).backward(dy.double())
+    exact_out = (fn(exact, a64, b64).detach(), a64.grad, b64.grad)
+    sqnr = {}
     for spec in ("hybrid", "hybrid+fuse_rows"):
         torch._dynamo.reset()
         base = FP8Linear.from_linear(torch.nn.Linear(K, N, bias=False), parse_recipe(spec), WeakIdKeyDictionary())
         base.weight.data = w.clone()
         base = base.cuda()
         base.weight.requires_grad_(False)
-        base.freeze_weight(True)
-
-        def fn(a, b):
-            return base(torch.nn.functional.silu(a) * b) * 1.5  # producers on both sides of the GEMMs
-
+        assert base.freeze_weight(True)
+        assert base.plan(dy.cuda()).fuse_rows == spec.endswith("fuse_rows")
+        assert LinearPlan.parse(base.plan(dy.cuda()).key) == base.plan(dy.cuda())
         ar, br = a.cuda().requires_grad_(), b.cuda().requires_grad_()
         with torch.autocast("cuda", torch.bfloat16):
-            y = torch.compile(fn)(ar, br)
-        y.backward(dy)
-        out[spec] = (y.float(), ar.grad.float(), br.grad.float())
-        assert base.plan(ar).fuse_rows == spec.endswith("fuse_rows")
-        assert LinearPlan.parse(base.plan(ar).key) == base.plan(ar)
-    for got, ref in zip(out["hybrid+fuse_rows"], out["hybrid"]):
-        assert _sqnr(got, ref) > 40
+            y = torch.compile(fn)(base, ar, br)
+        y.backward(dy.cuda())
+        sqnr[spec] = [_sqnr(t.cpu(), ref) for t, ref in zip((y, ar.grad, br.grad), exact_out)]
+    for fused, kernel in zip(sqnr["hybrid+fuse_rows"], sqnr["hybrid"]):
+        assert kernel > 20 and fused > kernel - 0.5, sqnr
 
 
 def _run_qwen2_mlp(x, recipe, compiled):

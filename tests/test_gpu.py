@@ -432,6 +432,27 @@ def test_frozen_base_rows_traced_for_inductor():
         assert kernel > 20 and fused > kernel - 0.5, sqnr
 
 
+def test_rows_traced_for_inductor_differ_by_one_step_at_most():
+    """The quantization `fuse_row_quantization` traces, fused by inductor into h = silu(a) * b's kernel, against
+    the tile kernel on eager's BF16 h: the same scales but for a few rows, and the FP8 values of rows whose scales
+    agree one E4M3 step apart at most (inductor rounds h's FP32 value, eager its BF16 rounding), few of them."""
+    from fp8train.fp8 import ops
+
+    a, b = (_activation((4096, 3584), torch.bfloat16, seed=s).cuda() for s in (4, 5))
+    fused_plan, kernel_plan = (LinearPlan.of(parse_recipe(r), True) for r in ("hybrid+fuse_rows", "hybrid"))
+    quantize = torch.compile(lambda a, b: ops.quantize_input(torch.nn.functional.silu(a) * b, fused_plan, False)[:2])
+    got, got_scale = quantize(a, b)
+    want, want_scale = ops.quantize_input(torch.nn.functional.silu(a) * b, kernel_plan, False)[:2]
+    same_scale = got_scale == want_scale  # [blocks, tokens]
+    assert same_scale.float().mean() > 0.99
+    codes = lambda q: q.view(torch.int8).int()  # noqa: E731  (sign-magnitude: neighbours of one sign are 1 apart)
+    tiles = same_scale.t().repeat_interleave(128, 1)[:, : got.shape[1]]
+    step = (codes(got) - codes(want)).abs()[tiles]
+    print(f"fuse_rows: {step.float().mean():.4f} of the values one step apart, {1 - same_scale.float().mean():.5f} "
+          "of the scales differ")
+    assert step.max() <= 1 and step.float().mean() < 0.05, (step.max(), step.float().mean())
+
+
 def _run_qwen2_mlp(x, recipe, compiled):
     """A Qwen2 MLP at 1.5B width (seeded weights), converted whole by `recipe`, run on x (eagerly or
     compiled) under BF16 autocast: [output, x.grad, gate's, up's and down's weight gradients]."""

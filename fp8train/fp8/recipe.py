@@ -215,13 +215,14 @@ def parse_recipe(spec: str) -> Fp8Recipe:
 def make_recipe(name: "str | RecipeName | Fp8Recipe" = "hybrid", *, pow2_scale: bool | None = None,
                 swiglu_inputs_fp8: bool | None = None, deep_gemm: bool | None = None,
                 fuse_swiglu: bool | None = None, input_t_in_backward: bool | None = None,
-                wgrad_blocks: bool | None = None) -> Fp8Recipe:
+                fuse_row_quantization: bool | None = None, wgrad_blocks: bool | None = None) -> Fp8Recipe:
     """The frozen recipe for `name` ('hybrid', 'tensorwise', 'rowwise' or 'bf16'); a knob given (not None)
     replaces the named recipe's value. `wgrad_blocks` (hybrid; ignored by bf16): grad_weight's input.T in 128x128
     blocks (`MODIFIERS`' `wgrad_blocks`); False: the named recipe's token tiles."""
     knobs = {k: bool(v) for k, v in (("pow2_scale", pow2_scale), ("swiglu_inputs_fp8", swiglu_inputs_fp8),
                                      ("deep_gemm", deep_gemm), ("fuse_swiglu", fuse_swiglu),
-                                     ("input_t_in_backward", input_t_in_backward)) if v is not None}
+                                     ("input_t_in_backward", input_t_in_backward),
+                                     ("fuse_row_quantization", fuse_row_quantization)) if v is not None}
     if isinstance(name, Fp8Recipe):
         recipe = replace(name, **knobs) if knobs else name
     else:

@@ -126,6 +126,12 @@ class TrainConfig:
     anyway; compiled, the other Linears from their input, which the compiler recomputes where that is cheap (the
     attention output). Less activation memory for more backward work, the same arithmetic (docs/benchmarks.md).
     null: the recipe's default (off)."""
+    fuse_row_quantization: bool | None = None
+    """Compiled on CUDA, quantize an activation that needs only its 1x128 rows (no token-tiled copy: a frozen
+    LoRA base's input and output gradient) in the kernel inductor makes for its producer (the SwiGLU and its
+    derivative with the adapters' adds, RoPE's backward) rather than in a kernel of its own that reads it again:
+    ~2% of a Qwen2.5-7B LoRA step (docs/benchmarks.md). Inductor quantizes the producer's FP32 value rather than
+    its BF16 rounding, so a few FP8 values differ from the tile kernel's by one step. null: the recipe's default."""
     wgrad_blocks: bool = False
     """Quantize each FP8 Linear's grad_weight input (its input, transposed) in 128x128 blocks of features and tokens
     instead of 1x128 token tiles, so grad_weight runs on cuBLAS's faster tile x block kernel: +0.03x BF16's
@@ -164,7 +170,8 @@ class TrainConfig:
         try:
             return make_recipe(self.recipe, pow2_scale=self.pow2_scale, swiglu_inputs_fp8=self.swiglu_inputs_fp8,
                                deep_gemm=self.deep_gemm, fuse_swiglu=self.fuse_swiglu,
-                               input_t_in_backward=self.input_t_in_backward, wgrad_blocks=self.wgrad_blocks or None)
+                               input_t_in_backward=self.input_t_in_backward,
+                               fuse_row_quantization=self.fuse_row_quantization, wgrad_blocks=self.wgrad_blocks or None)
         except ValueError as e:
             raise ConfigError(f"config key '{keys[0]}': {e}", keys) from None
 

@@ -73,6 +73,11 @@ def test_recipe_specs():
     assert parse_recipe("tensorwise+fused").fuse_swiglu and not parse_recipe("hybrid+unfused").fuse_swiglu
     assert parse_recipe("hybrid+wgrad_from_fp8") == replace(make_recipe("hybrid"), wgrad_input_from_fp8=True)
     assert parse_recipe("hybrid+fuse_rows").fuse_row_quantization and not make_recipe("hybrid").fuse_row_quantization
+    assert make_recipe("hybrid", fuse_row_quantization=True).spec == "hybrid+fuse_rows"
+    from fp8train.fp8.operands import LinearPlan  # the flag reaches the cuBLAS route's plan only (and its key)
+    plans = LinearPlan.per_route(parse_recipe("hybrid+fuse_rows"))
+    assert plans[True].fuse_rows and not plans[False].fuse_rows
+    assert LinearPlan.parse(plans[True].key) == plans[True] and plans[True].key != LinearPlan.of(make_recipe(), True).key
     for spec in ("hybrid", "hybrid+exact+deep_gemm", "hybrid+wgrad_blocks+unfused", "tensorwise+fused", "bf16",
                  "hybrid+deep_gemm+fuse_rows"):
         assert parse_recipe(spec).spec == spec and parse_recipe(parse_recipe(spec).spec) == parse_recipe(spec)

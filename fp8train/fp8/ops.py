@@ -88,9 +88,19 @@ def _tile_kernel_applies(rows: OperandSpec, cols: OperandSpec, cublas: bool) -> 
 
 
 def _rows_traced(p: LinearPlan, make_rows: bool, make_cols: bool) -> bool:
-    """Compiling with the recipe's `fuse_row_quantization`: a rows-only copy is the reference's torch ops, which
-    inductor fuses into the kernel producing the activation, instead of the tile kernel reading it again."""
+    """Compiling with the recipe's `fuse_row_quantization` (cuBLAS plans only): a rows-only copy is the reference's
+    torch ops, which inductor fuses into the kernel producing the activation, instead of the tile kernel reading
+    it again."""
     return p.fuse_rows and make_rows and not make_cols and torch.compiler.is_compiling()
+
+
+def _as_written(x: Tensor) -> Tensor:
+    """x as its dtype stores it. Fused into x's producer, inductor would quantize the producer's FP32 value (it
+    skips a fused BF16 op's rounding); a bitcast makes it round first, so the FP8 copy is the one the tile kernel
+    makes from x in memory. (The `& -1` keeps inductor's joint-graph pass from folding the two views away.)"""
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        return x
+    return (x.view(torch.int16) & -1).view(x.dtype)
 
 
 def _col_blocks(cols: OperandSpec) -> bool:
@@ -159,8 +169,9 @@ def _quantize_input_impl(x: Tensor, plan: str, make_cols: bool, make_rows: bool 
     """Input rows (operand a of output; unless not `make_rows`) and, with `make_cols`, input.T (operand b of
     grad_weight)."""
     p = LinearPlan.parse(plan)
-    kernel = p.cublas and kernels and not _rows_traced(p, make_rows, make_cols)
-    return _quantize_activation(x, p.x, p.x_t, p.pow2, make_cols, kernel, make_rows)
+    if kernels and _rows_traced(p, make_rows, make_cols):
+        return _quantize_activation(_as_written(x), p.x, p.x_t, p.pow2, make_cols, False, make_rows)
+    return _quantize_activation(x, p.x, p.x_t, p.pow2, make_cols, p.cublas and kernels, make_rows)
 
 
 def _forward_impl(x_rows: Tensor, x_rows_scale: Tensor, weight: Tensor, w: Tensor | None, w_scale: Tensor | None,
@@ -192,8 +203,9 @@ def _backward_impl(dy: Tensor, weight: Tensor, w: Tensor | None, w_scale: Tensor
                    want_dx: bool, want_dw: bool, dx_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """grad_output quantized (rows; cols when dW is wanted), then grad_input and grad_weight (FP32)."""
     p = LinearPlan.parse(plan)
-    g, g_scale, g_t, g_t_scale = _quantize_activation(dy, p.g, p.g_t, p.pow2, want_dw,
-                                                      p.cublas and not _rows_traced(p, True, want_dw))
+    traced = _rows_traced(p, True, want_dw)
+    g, g_scale, g_t, g_t_scale = _quantize_activation(_as_written(dy) if traced else dy, p.g, p.g_t, p.pow2, want_dw,
+                                                      p.cublas and not traced)
     return _backward_gemms_impl(g, g_scale, g_t, g_t_scale, weight, w, w_scale, w_t, w_t_scale, x_saved,
                                 x_saved_scale, plan, want_dx, want_dw, dx_dtype)
 

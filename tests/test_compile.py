@@ -257,3 +257,25 @@ def test_share_quantization_pass_merges_only_our_kernels_on_the_same_input(clone
     producers = [a.args[0] for a in next(n for n in g.nodes if n.op == "output").args[0]]
     assert producers[0] is producers[1] is producers[2] and producers[3] is not producers[0]
     assert producers[4] is not producers[0] and producers[5] is not producers[6]
+
+
+def test_rows_traced_for_inductor_are_the_reference_quantization():
+    """`fuse_row_quantization`'s traced rows (a cuBLAS plan's, compiled): on the CPU inductor compiles the same
+    torch ops (the BF16 rounding's bitcast kept in the graph), and the rows and scales equal the reference's of the
+    h the compiled kernel writes, bit for bit, in the op layout the GEMMs read (scales [blocks, tokens])."""
+    from fp8train.fp8.operands import quantize_operand
+    from fp8train.fp8.recipe import parse_recipe
+
+    plan = LinearPlan.of(parse_recipe("hybrid+fuse_rows"), True)
+    assert plan.fuse_rows and plan.x.pad == 512
+    g, u = (torch.randn(64, 640, generator=torch.Generator().manual_seed(s)).bfloat16() * 8 for s in (0, 1))
+
+    def fn(g, u):
+        h = torch.nn.functional.silu(g) * u
+        return h, *_fp8_ops.quantize_input(h, plan, False)
+
+    h, q, s, cols, cols_scale = torch.compile(fn)(g, u)
+    want_q, want_s = quantize_operand(h, plan.x, plan.pow2)
+    assert q.shape == (64, 1024) and s.shape == (8, 64) and cols.numel() == 0 and cols_scale.numel() == 0
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(s, want_s)
+    assert q.float().abs().max() > 100  # real values, not padding alone

@@ -135,7 +135,8 @@ class Fp8Recipe:
     frozen base's input and grad_output, LoRA's) is traced from the reference's torch ops instead of launching
     the tile kernel, so inductor fuses it into the kernel that produces the activation (the SwiGLU and its
     derivatives with LoRA's adds, the residual adds, RoPE's backward): the activation is not read again. The
-    same numbers. (Token-tiled copies stay on the kernel: inductor's code for them is slow.)"""
+    same numbers: the fused code rounds the producer's value to the activation's dtype first, as the tile kernel
+    reads it (`ops._as_written`). (Token-tiled copies stay on the kernel: inductor's code for them is slow.)"""
 
     @property
     def enabled(self) -> bool:

@@ -130,8 +130,8 @@ class TrainConfig:
     """Compiled on CUDA, quantize an activation that needs only its 1x128 rows (no token-tiled copy: a frozen
     LoRA base's input and output gradient) in the kernel inductor makes for its producer (the SwiGLU and its
     derivative with the adapters' adds, RoPE's backward) rather than in a kernel of its own that reads it again:
-    ~2% of a Qwen2.5-7B LoRA step (docs/benchmarks.md). Inductor quantizes the producer's FP32 value rather than
-    its BF16 rounding, so a few FP8 values differ from the tile kernel's by one step. null: the recipe's default."""
+    ~2% of a Qwen2.5-7B LoRA step (docs/benchmarks.md). The same numbers (the fused code rounds the activation to
+    BF16 first, as the kernel reads it). null: the recipe's default (off)."""
     wgrad_blocks: bool = False
     """Quantize each FP8 Linear's grad_weight input (its input, transposed) in 128x128 blocks of features and tokens
     instead of 1x128 token tiles, so grad_weight runs on cuBLAS's faster tile x block kernel: +0.03x BF16's

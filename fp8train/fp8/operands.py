@@ -126,7 +126,8 @@ class LinearPlan:
     @property
     def key(self) -> str:
         specs = ",".join(getattr(self, f).key for f in _PLAN_FIELDS)
-        return f"{specs};{int(self.pow2)}{int(self.cublas)}{int(self.x_t_from_fp8)}{int(self.deep_gemm)}{int(self.fuse_rows)}"
+        flags = (self.pow2, self.cublas, self.x_t_from_fp8, self.deep_gemm, self.fuse_rows)
+        return f"{specs};{''.join(str(int(f)) for f in flags)}"
 
     @staticmethod
     def parse(key: str) -> "LinearPlan":

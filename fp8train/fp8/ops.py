@@ -13,7 +13,9 @@ row-major and the contraction dimension last (the "operand layout", operands.py)
     fp8_linear (autograd)     forward:  quantize_input -> linear_forward (quantize W, GEMM `output`)
                               backward: linear_backward (quantize grad_output; W.T, GEMM `grad_input`;
                                         input.T, GEMM `grad_weight`)
-    quantize_*                Triton kernels on CUDA (kernels.py), the reference of operands.py elsewhere;
+    quantize_*                Triton kernels on CUDA (kernels.py), the reference of operands.py elsewhere
+                              (and compiled, for a rows-only copy with `fuse_row_quantization`, traced for
+                              inductor to fuse into the activation's producer: `_quantize_on_route`);
                               quantize_swiglu(_grads): an MLP's SwiGLU output (and its input gradients)
                               quantized by the kernel that computes them (swiglu.py, `fuse_swiglu`)
     gemm                      the one GEMM (gemm.py): the one route table picks a cuBLAS `scaled_mm` call
@@ -132,6 +134,16 @@ def _quantize_activation(x2d: Tensor, rows: OperandSpec, cols: OperandSpec, pow2
     return (rd, rs, cd, cs) if make_rows else (*_empty(x2d), cd, cs)
 
 
+def _quantize_on_route(p: LinearPlan, x2d: Tensor, rows: OperandSpec, cols: OperandSpec, make_cols: bool,
+                       kernels: bool, make_rows: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """`_quantize_activation` on plan p's route: the tile kernel where it applies on cuBLAS (not with `kernels`
+    False: the fake implementations), the reference elsewhere, and for a rows-only copy under the recipe's
+    `fuse_row_quantization`, compiled, the reference traced on x as stored (`_rows_traced`, `_as_written`)."""
+    if kernels and _rows_traced(p, make_rows, make_cols):
+        return _quantize_activation(_as_written(x2d), rows, cols, p.pow2, make_cols, False, make_rows)
+    return _quantize_activation(x2d, rows, cols, p.pow2, make_cols, p.cublas and kernels, make_rows)
+
+
 def quantize_weight(w: Tensor, spec: OperandSpec, pow2: bool, transpose: bool, cublas: bool) -> tuple[Tensor, Tensor]:
     """W [N, K] as the operand `spec` describes: W for output, or W.T (`transpose`) for grad_input."""
     if w.stride(1) != 1:
@@ -169,9 +181,7 @@ def _quantize_input_impl(x: Tensor, plan: str, make_cols: bool, make_rows: bool 
     """Input rows (operand a of output; unless not `make_rows`) and, with `make_cols`, input.T (operand b of
     grad_weight)."""
     p = LinearPlan.parse(plan)
-    if kernels and _rows_traced(p, make_rows, make_cols):
-        return _quantize_activation(_as_written(x), p.x, p.x_t, p.pow2, make_cols, False, make_rows)
-    return _quantize_activation(x, p.x, p.x_t, p.pow2, make_cols, p.cublas and kernels, make_rows)
+    return _quantize_on_route(p, x, p.x, p.x_t, make_cols, kernels, make_rows)
 
 
 def _forward_impl(x_rows: Tensor, x_rows_scale: Tensor, weight: Tensor, w: Tensor | None, w_scale: Tensor | None,
@@ -203,9 +213,7 @@ def _backward_impl(dy: Tensor, weight: Tensor, w: Tensor | None, w_scale: Tensor
                    want_dx: bool, want_dw: bool, dx_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """grad_output quantized (rows; cols when dW is wanted), then grad_input and grad_weight (FP32)."""
     p = LinearPlan.parse(plan)
-    traced = _rows_traced(p, True, want_dw)
-    g, g_scale, g_t, g_t_scale = _quantize_activation(_as_written(dy) if traced else dy, p.g, p.g_t, p.pow2, want_dw,
-                                                      p.cublas and not traced)
+    g, g_scale, g_t, g_t_scale = _quantize_on_route(p, dy, p.g, p.g_t, want_dw, True)
     return _backward_gemms_impl(g, g_scale, g_t, g_t_scale, weight, w, w_scale, w_t, w_t_scale, x_saved,
                                 x_saved_scale, plan, want_dx, want_dw, dx_dtype)
 
@@ -276,7 +284,7 @@ def _quantize_swiglu_impl(g: Tensor, u: Tensor, plan: str, make_cols: bool, make
                                                make_cols, _col_blocks(p.x_t))
         return _kernels.quantize_swiglu(g, u, p.x.fmt, p.x_t.fmt, p.pow2, p.x.pad, make_cols, rows=make_rows,
                                         col_blocks=_col_blocks(p.x_t))
-    return _quantize_activation(swiglu_reference(g, u), p.x, p.x_t, p.pow2, make_cols, p.cublas and kernels, make_rows)
+    return _quantize_on_route(p, swiglu_reference(g, u), p.x, p.x_t, make_cols, kernels, make_rows)
 
 
 def _quantize_swiglu_grads_impl(dh: Tensor, g: Tensor, u: Tensor, plan: str, make_cols: bool,
@@ -293,8 +301,8 @@ def _quantize_swiglu_grads_impl(dh: Tensor, g: Tensor, u: Tensor, plan: str, mak
         return _kernels.quantize_swiglu_grads(dh, g, u, p.g.fmt, p.g_t.fmt, p.pow2, p.g.pad, make_cols,
                                               col_blocks=_col_blocks(p.g_t))
     dg, du = swiglu_grads_reference(dh, g, u)
-    return (*_quantize_activation(dg, p.g, p.g_t, p.pow2, make_cols, p.cublas and kernels),
-            *_quantize_activation(du, p.g, p.g_t, p.pow2, make_cols, p.cublas and kernels))
+    return (*_quantize_on_route(p, dg, p.g, p.g_t, make_cols, kernels),
+            *_quantize_on_route(p, du, p.g, p.g_t, make_cols, kernels))
 
 
 # The custom ops: what torch.compile sees of the three entry points on CPU and with emulated GEMMs. Their

@@ -1,5 +1,5 @@
-"""What the GPU benchmark scripts share: their tiny/full defaults, the device they run on, one JSON line per
-result. A sibling module: the scripts import it from their own folder (tests/_benchmarks.py puts it on sys.path)."""
+"""What the GPU benchmark scripts share: their tiny/full defaults, the device they run on, a kernel's median
+time, one JSON line per result. A sibling module: the scripts import it from their own folder (tests/_benchmarks.py puts it on sys.path)."""
 
 from __future__ import annotations
 
@@ -27,6 +27,13 @@ def device_for(name: str, script: str) -> torch.device:
     if device.type == "cpu":
         torch.set_num_threads(1)
     return device
+
+
+def median_us(fn) -> float:
+    """fn's median time on the GPU in microseconds (triton's do_bench: 25 ms warm-up, 100 ms of runs)."""
+    import triton  # (the CPU tests import this module without triton)
+
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
 
 
 def append_jsonl(path: Path | None, record: dict) -> None:

@@ -20,9 +20,8 @@ import argparse
 from pathlib import Path
 
 import torch
-import triton
 
-from _harness import append_jsonl, projection_shapes  # a sibling module (benchmarks/ is on sys.path)
+from _harness import append_jsonl, median_us, projection_shapes  # a sibling module (benchmarks/ is on sys.path)
 from fp8train.fp8 import ops
 from fp8train.fp8.operands import LinearPlan, quantize_operand
 from fp8train.fp8.recipe import parse_recipe
@@ -63,7 +62,7 @@ def run(intermediate: int) -> list[dict]:
         apart = (q.view(torch.int8).int() - ref[1].view(torch.int8).int()).abs().ne(0).float().mean().item()
         if not torch.equal(h, ref[0]):
             raise SystemExit(f"bench_fuse_rows: {name} wrote another h than the kernel version")
-        us = triton.testing.do_bench(lambda: compiled(g, u), warmup=25, rep=100, return_mode="median") * 1e3
+        us = median_us(lambda: compiled(g, u))
         rows.append({"shape": f"{TOKENS}x{intermediate}", "version": name, "us": us, "same FP8": same,
                      "share of values apart": apart})
     for r in rows:

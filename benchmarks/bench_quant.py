@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from _harness import projection_shapes  # a sibling module (benchmarks/ is on sys.path)
+from _harness import median_us, projection_shapes  # a sibling module (benchmarks/ is on sys.path)
 from fp8train.fp8 import kernels as tq
 from fp8train import make_recipe, quantize
 from fp8train.fp8.recipe import Fp8Format
@@ -172,10 +172,6 @@ def check_weight(fn, w, pow2: bool) -> bool:
                 and torch.equal(_bits(s[:, :ref.scale.shape[1]]), _bits(ref.scale)))
 
 
-def _us(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
-
-
 def _data(shape, dtype, seed):
     g = torch.Generator(device="cuda").manual_seed(seed)
     x = torch.randn(shape, generator=g, device="cuda") * torch.logspace(-3, 3, shape[1], device="cuda")[None, :]
@@ -225,7 +221,7 @@ def swiglu_rows(copy_tbs: float, once: bool = False, shapes: list[str] | None = 
             if only and not re.search(only, name):
                 continue
             ok = want is None or sum(_differ(a, b) for a, b in zip(fn(), want)) <= 1e-4 * M * I * 2 * (len(want) // 4)
-            us = float("nan") if once else _us(fn)
+            us = float("nan") if once else median_us(fn)
             moved = M * I * nbytes
             rows.append({"kind": "swiglu", "shape": [M, I], "variant": name, "bit_exact": bool(ok), "us": us,
                          "tb_s": moved / (us * 1e-6) / 1e12, "floor_us": moved / (copy_tbs * 1e12) * 1e6})
@@ -253,7 +249,7 @@ def main(argv=None) -> int:
         spec.loader.exec_module(legacy)
 
     big = torch.empty(*SWIGLU_SHAPES[-1], dtype=torch.bfloat16, device="cuda").normal_()  # the largest
-    copy_tbs = 2 * big.numel() * 2 / (_us(lambda: big.clone()) * 1e-6) / 1e12
+    copy_tbs = 2 * big.numel() * 2 / (median_us(lambda: big.clone()) * 1e-6) / 1e12
     big = None  # free it before the kernels run
     print(f"device {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}  "
           f"copy bandwidth {copy_tbs:.2f} TB/s (read + write)", flush=True)
@@ -295,7 +291,7 @@ def main(argv=None) -> int:
                     continue
                 try:
                     ok = (check_act if kind == "activation" else check_weight)(fn, x, "exact" not in name)
-                    us = float("nan") if args.once else _us(lambda: fn(x))
+                    us = float("nan") if args.once else median_us(lambda: fn(x))
                 except Exception as e:  # a variant that does not compile is reported, not fatal
                     print(f"{kind} {shape} {name}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
                     continue

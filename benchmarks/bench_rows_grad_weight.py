@@ -6,8 +6,9 @@ dA [r, K] = g.T @ x over the tokens: BF16 LoRA's autograd runs it as one cuBLAS 
 an element read); `inputs_fp8` keeps only the frozen base's FP8 rows of x (1 byte an element, a scale per 128),
 and `kernels.rows_grad_weight` reads those. With r = 16 the product is thin, so both are bound by reading x:
 the kernel's floor is half the GEMM's. Each launch configuration (`block_m`, `num_warps`, `num_stages`,
-`waves`) is checked against the default's output (the same products, summed in another order: 1e-6) and the
-default against an FP64 product, then timed (median of triton's do_bench) at Qwen2.5-7B's adapter widths.
+`waves`) is checked against the default's output (the same products, summed in another order) and the
+default against an FP64 product (both within a few units of sqrt(tokens) x 2^-24, `_TOL`), then timed (median
+of triton's do_bench) at Qwen2.5-7B's adapter widths.
 """
 
 from __future__ import annotations
@@ -17,9 +18,8 @@ import itertools
 from pathlib import Path
 
 import torch
-import triton
 
-from _harness import append_jsonl, projection_shapes  # a sibling module (benchmarks/ is on sys.path)
+from _harness import append_jsonl, median_us, projection_shapes  # a sibling module (benchmarks/ is on sys.path)
 from fp8train import make_recipe
 from fp8train.fp8 import kernels as tq
 from fp8train.fp8 import ops
@@ -28,10 +28,6 @@ from fp8train.fp8.operands import LinearPlan, dequantize_operand
 TOKENS = 8192
 DEFAULT = {"block_m": 64, "num_warps": 8, "num_stages": 4, "waves": 2}
 SWEEP = [dict(zip(DEFAULT, v)) for v in itertools.product((64, 128, 256), (4, 8), (4,), (2, 4))]
-
-
-def _us(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
 
 
 # FP32 sums of TOKENS products: relative to the largest sum, a few units of sqrt(TOKENS) * 2^-24 (2.2e-6 measured
@@ -57,14 +53,14 @@ def run(rank: int, widths: list[int]) -> list[dict]:
         if _rel(base, want) > _TOL:
             raise SystemExit(f"rows_grad_weight at K={k}: error {_rel(base, want):.1e} against FP64")
         read = x.numel() + s.numel() * 4 + g.numel() * 2  # bytes the kernel must read
-        bf16_us = _us(lambda: g.t() @ x)
+        bf16_us = median_us(lambda: g.t() @ x)
         rows.append({"K": k, "rank": rank, "variant": "BF16 GEMM g.T @ x (cuBLAS)", "us": bf16_us,
                      "GB/s": (2 * x.numel() + g.numel() * 2) / bf16_us / 1e3, "x BF16": 1.0})
         for cfg in SWEEP:
             out = tq.rows_grad_weight(g, q, s, k, **cfg)
             if _rel(out, base) > _TOL:
                 raise SystemExit(f"rows_grad_weight {cfg} at K={k}: {_rel(out, base):.1e} from the default's")
-            us = _us(lambda: tq.rows_grad_weight(g, q, s, k, **cfg))
+            us = median_us(lambda: tq.rows_grad_weight(g, q, s, k, **cfg))
             name = " ".join(f"{a}={b}" for a, b in cfg.items()) + (" (default)" if cfg == DEFAULT else "")
             rows.append({"K": k, "rank": rank, "variant": name, "us": us, "GB/s": read / us / 1e3,
                          "x BF16": bf16_us / us})

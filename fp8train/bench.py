@@ -19,7 +19,8 @@ grad_weight's input.T made in the backward instead of saved), `hybrid+wgrad_bloc
 compiled: rows-only quantizations, LoRA's, inside the inductor kernels that produce the activations); `+held` is
 the trainer's `hold_fp8_weights` (each weight's FP8 copy written by the optimizer's step, no weight quantized in
 a step) and, with `--lora`, `+keep_t` the trainer's `model.lora.keep_weight_t` (the frozen base keeps W.T's FP8
-operand too: no backward transposes W) and `+inputs_fp8` its `model.lora.inputs_fp8` (the adapters keep their base's FP8 copy of their input).
+operand too: no backward transposes W) and `+inputs_fp8` its `model.lora.inputs_fp8` (the adapters keep their
+base's FP8 copy of their input).
 `compiled` applies torch.compile to each decoder layer, for every variant alike (the trainer's
 `train.compile`); `cudagraphs` also replays each layer as CUDA graphs (`train.cuda_graphs`). Steps run as the
 trainer's loop runs them, each enqueued before the last is read (`Trainer.enqueue_step`); a step's time is from

@@ -194,7 +194,7 @@ def _pre_conversion(w: torch.Tensor, pow2: bool, cols: int) -> tuple[torch.Tenso
     nb, kb = -(-n // 128), -(-cols // 128)
     blocks = torch.nn.functional.pad(w, (0, kb * 128 - k, 0, nb * 128 - n)).view(nb, 128, kb, 128)
     scale = compute_scale(blocks.abs().amax(dim=(1, 3)), Fp8Format.E4M3, pow2)
-    return (blocks * reciprocal(scale)[:, None, :, None]).reshape(nb * 128, kb * 128)[:n, :cols], scale
+    return (blocks * reciprocal(scale, pow2)[:, None, :, None]).reshape(nb * 128, kb * 128)[:n, :cols], scale
 
 
 def _blocks_failures() -> list:

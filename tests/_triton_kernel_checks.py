@@ -39,7 +39,7 @@ def _pre_conversion(x2d, fmt, pow2):
     nc = -(-C // 128)
     p = torch.nn.functional.pad(x2d.float(), (0, nc * 128 - C)).view(R, nc, 128)
     s = compute_scale(p.abs().amax(-1), fmt, pow2)
-    return (p * reciprocal(s)[..., None]).view(R, -1)[:, :C], s
+    return (p * reciprocal(s, pow2)[..., None]).view(R, -1)[:, :C], s
 
 
 def _block_pre_conversion(x2d, fmt, pow2, pad):
@@ -49,7 +49,7 @@ def _block_pre_conversion(x2d, fmt, pow2, pad):
     rb, cp = -(-R // 128), pad * -(-C // pad)
     blocks = torch.nn.functional.pad(x2d.float(), (0, cp - C, 0, rb * 128 - R)).view(rb, 128, cp // 128, 128)
     s = compute_scale(blocks.abs().amax(dim=(1, 3)), fmt, pow2)
-    return (blocks * reciprocal(s)[:, None, :, None]).reshape(rb * 128, cp)[:R], s
+    return (blocks * reciprocal(s, pow2)[:, None, :, None]).reshape(rb * 128, cp)[:R], s
 
 
 def _within_range(q, fmt) -> bool:
@@ -124,7 +124,7 @@ def interpret() -> dict:
                 nb, kb = M // 128, -(-K // 128)
                 blocks = torch.nn.functional.pad(x, (0, kb * 128 - K)).view(nb, 128, kb, 128)
                 rs = compute_scale(blocks.abs().amax(dim=(1, 3)), fmt, pow2)
-                rq = (blocks * reciprocal(rs)[:, None, :, None]).reshape(M, kb * 128)[:, :K]
+                rq = (blocks * reciprocal(rs, pow2)[:, None, :, None]).reshape(M, kb * 128)[:, :K]
                 ok = _within_range(rq, fmt)
                 ok &= torch.equal(_bits(q[:, :K]), _bits(rq)) and torch.equal(_bits(qt[:, :M]), _bits(rq.t()))
                 ok &= torch.equal(_bits(s[:, :kb]), _bits(rs)) and torch.equal(_bits(st[:, :nb]), _bits(rs.t()))
@@ -156,7 +156,7 @@ def _rows_grad_weight_failures() -> list:
         kp = -(-k // 128) * 128
         tiles = torch.nn.functional.pad(x, (0, kp - k)).view(m, kp // 128, 128)
         s = compute_scale(tiles.abs().amax(-1), Fp8Format.E4M3, True)
-        q = (tiles * reciprocal(s)[..., None]).to(torch.float8_e4m3fn)
+        q = (tiles * reciprocal(s, True)[..., None]).to(torch.float8_e4m3fn)
         g = torch.randn(m, n, generator=gen).to(torch.bfloat16)
         # q as FP32 (the interpreter's FP8 conversion is wrong); the scales in the ops' layout, [Kp/128, M]
         rows = (q.float().view(m, kp), s.t().contiguous())

@@ -139,6 +139,15 @@ def test_wgrad_blocks_only_with_hybrid():
         assert load_config(None, CPT + ["wgrad_blocks=true", f"recipe={recipe}"]).wgrad_blocks
 
 
+def test_fuse_row_quantization_needs_power_of_two_scales():
+    with pytest.raises(ConfigError, match=r"config key 'fuse_row_quantization': fuse_row_quantization needs "
+                                          r"power-of-two scales \(pow2_scale\)") as e:
+        load_config(None, CPT + ["fuse_row_quantization=true", "pow2_scale=false"])
+    assert e.value.keys == ("fuse_row_quantization", "pow2_scale")
+    assert load_config(None, CPT + ["fuse_row_quantization=true"]).fp8_recipe().fuse_row_quantization
+    assert not load_config(None, CPT + ["pow2_scale=false"]).fp8_recipe().pow2_scale
+
+
 def test_fp8_recipe_names_the_key_that_failed():
     """A recipe name the schema would refuse, set in code: the error names `recipe`, not `wgrad_blocks`."""
     cfg = dataclasses.replace(load_config(None, CPT), recipe="fp4")

@@ -77,6 +77,8 @@ def test_recipe_specs():
     from fp8train.fp8.operands import LinearPlan  # the flag reaches the cuBLAS route's plan only (and its key)
     plans = LinearPlan.per_route(parse_recipe("hybrid+fuse_rows"))
     assert plans[True].fuse_rows and not plans[False].fuse_rows
+    with pytest.raises(ValueError, match="fuse_row_quantization needs power-of-two scales"):
+        parse_recipe("hybrid+exact+fuse_rows")  # an exact scale divides, approximately in inductor's code
     assert LinearPlan.parse(plans[True].key) == plans[True] and plans[True].key != LinearPlan.of(make_recipe(), True).key
     for spec in ("hybrid", "hybrid+exact+deep_gemm", "hybrid+wgrad_blocks+unfused", "tensorwise+fused", "bf16",
                  "hybrid+deep_gemm+fuse_rows"):

@@ -79,6 +79,64 @@ def test_pow2_scales_are_exact_powers_of_two_and_exact_scales_hit_fmax():
     assert torch.equal(q.scale, x.abs().view(256, 4, 128).amax(-1) / 448)
 
 
+def _division_then_pow2(amax: torch.Tensor, fmax: float) -> torch.Tensor:
+    """What a power-of-two scale means: the IEEE division amax / fmax (1 for 0, at least FP32's smallest
+    normal), rounded up to a power of two by frexp."""
+    s = torch.where(amax == 0, 1.0, amax / torch.full_like(amax, fmax)).clamp_min(torch.finfo(torch.float32).tiny)
+    mant, exp = torch.frexp(s)
+    up = torch.where(mant == 0.5, s, torch.ldexp(torch.ones_like(s), exp))
+    return torch.where(torch.isfinite(s), up, s)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_pow2_scales_from_bits_are_the_division_rounded_up(fmt):
+    """The reference makes a power-of-two scale from amax's bit patterns (no division a compiler could
+    approximate). Against the division for every non-negative BF16 amax, and for FP32 amax at every exponent
+    (subnormals included) with the mantissas around fmax's, where the scale steps up, their extremes and random
+    ones; 0, Inf and NaN. (Every one of the 2^31 FP32 patterns: `_exhaustive_pow2_differences`, run by
+    `PYTHONPATH=. python tests/test_quant.py`: none differ, docs/benchmarks.md thirty-seventh session.)"""
+    from fp8train.fp8.quant import compute_scale, reciprocal
+
+    fmax = FORMATS[fmt][0]
+    f = Fp8Format.parse(fmt)
+    m_fmt = int(torch.tensor(fmax).view(torch.int32)) & 0x7FFFFF
+    g = torch.Generator().manual_seed(7)
+    mantissas = torch.cat([torch.tensor([0, 1, m_fmt - 1, m_fmt, m_fmt + 1, 0x7FFFFF]),
+                           torch.randint(0, 1 << 23, (200,), generator=g)])
+    fp32 = ((torch.arange(256)[:, None] << 23) | mantissas[None, :]).flatten().to(torch.int32).view(torch.float32)
+    bf16 = (torch.arange(1 << 15, dtype=torch.int32) << 16).view(torch.float32)  # every BF16 >= 0, Inf and NaNs
+    for amax in (fp32, bf16):
+        got, want = compute_scale(amax, f, True), _division_then_pow2(amax, fmax)
+        nan = amax.isnan()
+        assert torch.equal(got[~nan].view(torch.int32), want[~nan].view(torch.int32)) and got[nan].isnan().all()
+        finite = torch.isfinite(got)
+        # the quantize multiplier: exactly 1 / scale by exponent arithmetic (a power of two: no rounding)
+        assert torch.equal(reciprocal(got[finite], True), 1.0 / got[finite])
+    steps = torch.tensor([fmax, fmax * (1 + 2.0 ** -23), 0.0, float("inf"), float("nan")])
+    assert compute_scale(steps, f, True)[:3].tolist() == [1.0, 2.0, 1.0]  # above fmax's mantissa: one step up
+    inv = reciprocal(torch.tensor([float("inf"), float("nan")]), True)
+    assert inv[0] == 0 and inv[1].isnan()
+
+
+def test_pow2_quantization_traces_without_a_division():
+    """What a compiler sees of the reference's quantization (traced to aten ops, as inductor gets it when
+    `fuse_row_quantization` fuses it into a producer): with power-of-two scales no division or reciprocal
+    at all, so an approximate division in generated code (inductor's Triton `/`) cannot change a scale;
+    exact scales do divide (and stay on the kernels)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fp8train.fp8.quant import quantize_2d
+
+    x = _wide((4, 256), seed=4).bfloat16()
+    ops = {torch.ops.aten.div.Tensor, torch.ops.aten.div.Scalar, torch.ops.aten.reciprocal.default}
+    for pow2 in (True, False):
+        gm = make_fx(lambda t: quantize_2d(t, (1, 128), Fp8Format.E4M3, pow2))(x)
+        divides = {n.target for n in gm.graph.nodes} & ops
+        assert (not divides) if pow2 else divides
+        (q, s), (want_q, want_s) = gm(x), quantize_2d(x, (1, 128), Fp8Format.E4M3, pow2)
+        assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(s, want_s)
+
+
 def _exact_scale_data(f):
     """Several magnitudes (1e-6 .. 1e6 along the columns), all-zero blocks both ways, a block of values just
     below +-fmax (scale a little under 1: x * inv can round above fmax, the clamp brings it back), and in
@@ -188,3 +246,25 @@ def test_bad_input_errors():
         quantize(torch.randn(4, 4), block=(0, 128))
     with pytest.raises(ValueError, match="scalar"):
         quantize(torch.tensor(1.0))
+
+
+def _exhaustive_pow2_differences() -> dict:
+    """`compute_scale` (power of two) and `reciprocal` against the division for every one of the 2^31
+    non-negative FP32 amax patterns (NaNs: NaN-ness only), both formats: the count of differences (~5 minutes)."""
+    from fp8train.fp8.quant import compute_scale, reciprocal
+
+    out = {}
+    for fmt in ("e4m3", "e5m2"):
+        f, differ = Fp8Format.parse(fmt), 0
+        for start in range(0, 1 << 31, 1 << 25):
+            amax = torch.arange(start, start + (1 << 25), dtype=torch.int64).to(torch.int32).view(torch.float32)
+            got, want, nan = compute_scale(amax, f, True), _division_then_pow2(amax, f.max), amax.isnan()
+            differ += int((got.view(torch.int32) != want.view(torch.int32))[~nan].sum() + (~got[nan].isnan()).sum())
+            finite = got[torch.isfinite(got)]
+            differ += int((reciprocal(finite, True) != 1.0 / finite).sum())
+        out[fmt] = differ
+    return out
+
+
+if __name__ == "__main__":  # PYTHONPATH=. python tests/test_quant.py
+    print(_exhaustive_pow2_differences())

@@ -6,10 +6,12 @@ Convention, used everywhere in fp8train: `scale` is the dequantize multiplier,
 
 computed just in time from the tensor itself, rounded up to a power of two by default (so dividing by
 it is exact in binary). Quantizing multiplies each element by the block's correctly rounded FP32
-reciprocal RN(1 / scale), one IEEE division per block, not one per element (the GPU kernels do the same:
-there a division is a slow instruction sequence). For a power-of-two scale that is exactly x / scale; for
-an exact scale it differs from RN(x / scale) only where the two straddle an FP8 rounding boundary
-(rare), and CPU and GPU agree bit for bit since both make the same IEEE multiply.
+reciprocal RN(1 / scale), made once per block, not one division per element (the GPU kernels do the same:
+there a division is a slow instruction sequence). For a power-of-two scale that is exactly x / scale, and
+the scale and its reciprocal come from bit patterns, no division at all (so a compiler fusing this code
+cannot change them); for an exact scale, one IEEE division per block, and the product differs from
+RN(x / scale) only where the two straddle an FP8 rounding boundary (rare): CPU and GPU agree bit for bit
+since both make the same IEEE multiply.
 
 An all-zero block gets scale 1. A block that holds NaN or +-Inf gets a non-finite scale and dequantizes
 to NaN everywhere: non-finite values are never clipped into finite ones, so a diverging run shows NaN
@@ -27,6 +29,7 @@ these bit for bit): `compute_scale`, `quantize_2d` (a 2-D tensor and a resolved 
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 
 import torch
@@ -74,18 +77,34 @@ def resolve_block(block: Block, shape: tuple[int, int]) -> tuple[int, int] | Non
 
 
 def compute_scale(amax: torch.Tensor, fmt: Fp8Format, pow2_scale: bool) -> torch.Tensor:
-    """FP32 dequantize scale from a block amax: amax / fmt.max, 1 where amax == 0, optionally rounded
-    up to the next power of two (bit-exact: keep the exponent, bump it when any mantissa bit is set)."""
+    """FP32 dequantize scale from a block amax: amax / fmt.max, 1 where amax == 0, at least FP32's smallest
+    normal, optionally rounded up to the next power of two (`_pow2_scale`). NaN and Inf pass through."""
+    amax = amax.float()
+    if pow2_scale:
+        return _pow2_scale(amax, fmt)
     # divide by a tensor, not a Python scalar: CUDA turns scalar division into a reciprocal multiply,
     # which can differ from the CPU's IEEE division in the last bit
-    s = amax.float() / torch.full_like(amax, fmt.max, dtype=torch.float32)
-    s = torch.where(amax == 0, torch.ones_like(s), s).clamp_min(FP32_TINY)  # NaN passes through
-    if pow2_scale:
-        bits = s.view(torch.int32)
-        exp = bits & 0x7F800000
-        up = exp + torch.where((bits & 0x007FFFFF) != 0, 1 << 23, 0).to(torch.int32)
-        s = torch.where(torch.isfinite(s), up.view(torch.float32), s)
-    return s
+    s = amax / torch.full_like(amax, fmt.max)
+    return torch.where(amax == 0, torch.ones_like(s), s).clamp_min(FP32_TINY)
+
+
+# each format's max as an FP32 bit pattern (made once here: a traced function reads a constant)
+_MAX_BITS = {f: struct.unpack("<i", struct.pack("<f", f.max))[0] for f in Fp8Format}
+
+
+def _pow2_scale(amax: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
+    """RN(amax / fmt.max) rounded up to a power of two, from bit patterns: with amax = ma * 2^ea and
+    fmt.max = mf * 2^ef (mantissas in [1, 2)) the quotient lies in (2^(ea-ef-1), 2^(ea-ef)] when ma <= mf and in
+    (2^(ea-ef), 2^(ea-ef+1)) when ma > mf, so the scale is 2^(ea - ef + (ma > mf)), at least 2^-126; 1 for
+    amax 0. Integer arithmetic only, so a compiler cannot change it (inductor's Triton code divides
+    approximately), and the kernels' `scale_from_amax_bits` computes the same; equal to the IEEE division
+    rounded up for every FP32 amax (tests/test_quant.py)."""
+    f = _MAX_BITS[fmt]
+    bits = amax.view(torch.int32)
+    bump = ((bits & 0x7FFFFF) > (f & 0x7FFFFF)).to(torch.int32)
+    e = ((bits >> 23) - ((f >> 23) - 127) + bump).clamp_min(1)  # the scale's biased exponent
+    s = torch.where(amax == 0, 1.0, (e << 23).view(torch.float32))
+    return torch.where(torch.isfinite(amax), s, amax)
 
 
 def _check_input(x: torch.Tensor, where: str) -> None:
@@ -112,9 +131,13 @@ def quantize(
     return Fp8Tensor(data.reshape(x.shape), scale, block, fmt)
 
 
-def reciprocal(scale: torch.Tensor) -> torch.Tensor:
-    """The quantize multiplier of each block, RN(1 / scale): 2^-e exactly for a power-of-two scale 2^e,
-    0 for an Inf scale (finite values -> 0, Inf -> NaN, as x / Inf), NaN for NaN."""
+def reciprocal(scale: torch.Tensor, pow2_scale: bool) -> torch.Tensor:
+    """The quantize multiplier of each block, RN(1 / scale): for a power-of-two scale 2^e the exact 2^-e by
+    exponent arithmetic (no division for a compiler to approximate); 0 for an Inf scale (finite values -> 0,
+    Inf -> NaN, as x / Inf), NaN for NaN."""
+    if pow2_scale:
+        inv = ((254 << 23) - scale.view(torch.int32)).view(torch.float32)
+        return torch.where(torch.isinf(scale), 0.0, torch.where(torch.isnan(scale), scale, inv))
     # a tensor divided by a tensor, IEEE on CPU and CUDA alike (a Python-scalar numerator would let CUDA use
     # an approximate reciprocal)
     return torch.ones_like(scale) / scale
@@ -124,7 +147,7 @@ def quantize_2d(x: torch.Tensor, block, fmt: Fp8Format, pow2_scale: bool) -> tup
     xf = x.float()
     if block is None:
         scale = compute_scale(xf.abs().amax(), fmt, pow2_scale)
-        return (xf * reciprocal(scale)).clamp(-fmt.max, fmt.max).to(fmt.dtype).contiguous(), scale
+        return (xf * reciprocal(scale, pow2_scale)).clamp(-fmt.max, fmt.max).to(fmt.dtype).contiguous(), scale
     R, C = xf.shape
     br, bc = block
     nr, nc = -(-R // br), -(-C // bc)
@@ -134,7 +157,7 @@ def quantize_2d(x: torch.Tensor, block, fmt: Fp8Format, pow2_scale: bool) -> tup
     if R == 0 or C == 0:
         amax = torch.zeros(nr, nc, device=x.device)
     scale = compute_scale(amax, fmt, pow2_scale)
-    q = (blocks * reciprocal(scale)[:, None, :, None]).clamp(-fmt.max, fmt.max).to(fmt.dtype)
+    q = (blocks * reciprocal(scale, pow2_scale)[:, None, :, None]).clamp(-fmt.max, fmt.max).to(fmt.dtype)
     q = q.view(nr * br, nc * bc)
     return (q if q.shape == (R, C) else q[:R, :C]).contiguous(), scale  # row-major whatever x's layout
 

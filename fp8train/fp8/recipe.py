@@ -136,7 +136,15 @@ class Fp8Recipe:
     the tile kernel, so inductor fuses it into the kernel that produces the activation (the SwiGLU and its
     derivatives with LoRA's adds, the residual adds, RoPE's backward): the activation is not read again. The
     same numbers: the fused code rounds the producer's value to the activation's dtype first, as the tile kernel
-    reads it (`ops._as_written`). (Token-tiled copies stay on the kernel: inductor's code for them is slow.)"""
+    reads it (`ops._as_written`), and a power-of-two scale and its reciprocal are integer arithmetic on bit
+    patterns (`quant._pow2_scale`). Power-of-two scales only (ValueError otherwise): an exact scale is a division,
+    which inductor's Triton code makes approximately. Token-tiled copies stay on the kernel (inductor's code for
+    them is slow)."""
+
+    def __post_init__(self) -> None:
+        if self.fuse_row_quantization and not self.pow2_scale:
+            raise ValueError("fuse_row_quantization needs power-of-two scales (pow2_scale): an exact scale is a "
+                             "division, which inductor's generated code makes approximately")
 
     @property
     def enabled(self) -> bool:

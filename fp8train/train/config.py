@@ -131,7 +131,7 @@ class TrainConfig:
     LoRA base's input and output gradient) in the kernel inductor makes for its producer (the SwiGLU and its
     derivative with the adapters' adds, RoPE's backward) rather than in a kernel of its own that reads it again:
     ~2% of a Qwen2.5-7B LoRA step (docs/benchmarks.md). The same numbers (the fused code rounds the activation to
-    BF16 first, as the kernel reads it). null: the recipe's default (off)."""
+    BF16 first, as the kernel reads it). Needs `pow2_scale: true`. null: the recipe's default (off)."""
     wgrad_blocks: bool = False
     """Quantize each FP8 Linear's grad_weight input (its input, transposed) in 128x128 blocks of features and tokens
     instead of 1x128 token tiles, so grad_weight runs on cuBLAS's faster tile x block kernel: +0.03x BF16's
@@ -165,8 +165,10 @@ class TrainConfig:
 
     def fp8_recipe(self) -> Fp8Recipe:
         """The frozen recipe that `recipe` and its knobs name; ConfigError naming the key where they do not
-        combine (make_recipe refuses `wgrad_blocks` on a recipe other than hybrid) or the name is unknown."""
-        keys = ("wgrad_blocks", "recipe") if self.wgrad_blocks else ("recipe",)
+        combine (`wgrad_blocks` on a recipe other than hybrid, `fuse_row_quantization` with exact scales) or the
+        name is unknown."""
+        keys = (("fuse_row_quantization", "pow2_scale") if self.fuse_row_quantization and not self.pow2_scale
+                else ("wgrad_blocks", "recipe") if self.wgrad_blocks else ("recipe",))
         try:
             return make_recipe(self.recipe, pow2_scale=self.pow2_scale, swiglu_inputs_fp8=self.swiglu_inputs_fp8,
                                deep_gemm=self.deep_gemm, fuse_swiglu=self.fuse_swiglu,

@@ -122,7 +122,7 @@ def test_pow2_quantization_traces_without_a_division():
     """What a compiler sees of the reference's quantization (traced to aten ops, as inductor gets it when
     `fuse_row_quantization` fuses it into a producer): with power-of-two scales no division or reciprocal
     at all, so an approximate division in generated code (inductor's Triton `/`) cannot change a scale;
-    exact scales do divide (and stay on the kernels)."""
+    exact scales do divide (`fuse_row_quantization` refuses them)."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from fp8train.fp8.quant import quantize_2d

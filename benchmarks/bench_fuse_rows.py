@@ -32,19 +32,17 @@ TOKENS = 8192
 def _versions(plan_fused: LinearPlan, plan_kernel: LinearPlan) -> dict:
     silu = torch.nn.functional.silu
 
-    def kernel(g, u):
-        h = silu(g) * u
-        return h, *ops.quantize_input(h, plan_kernel, False)[:2]
-
-    def fused(g, u):
-        h = silu(g) * u
-        return h, *ops.quantize_input(h, plan_fused, False)[:2]
+    def rows_by(plan: LinearPlan):  # h and its rows as the ops quantize them under `plan`
+        def fn(g, u):
+            h = silu(g) * u
+            return h, *ops.quantize_input(h, plan, False)[:2]
+        return fn
 
     def fused_fp32(g, u):
         h = silu(g) * u
         return h, *quantize_operand(h, plan_fused.x, plan_fused.pow2)
 
-    return {"kernel": kernel, "fused": fused, "fused, FP32": fused_fp32}
+    return {"kernel": rows_by(plan_kernel), "fused": rows_by(plan_fused), "fused, FP32": fused_fp32}
 
 
 def run(intermediate: int) -> list[dict]:

@@ -88,6 +88,17 @@ def _division_then_pow2(amax: torch.Tensor, fmax: float) -> torch.Tensor:
     return torch.where(torch.isfinite(s), up, s)
 
 
+def _pow2_differences(amax: torch.Tensor, f: Fp8Format) -> int:
+    """How many of `amax`'s power-of-two scales (`compute_scale`) differ from the division's bit for bit (a NaN
+    amax: a scale that is not NaN), plus how many of their multipliers (`reciprocal`) differ from 1 / scale."""
+    from fp8train.fp8.quant import compute_scale, reciprocal
+
+    got, want, nan = compute_scale(amax, f, True), _division_then_pow2(amax, f.max), amax.isnan()
+    differ = int((got.view(torch.int32) != want.view(torch.int32))[~nan].sum() + (~got[nan].isnan()).sum())
+    finite = got[torch.isfinite(got)]  # the quantize multiplier: 1 / scale exactly (a power of two: no rounding)
+    return differ + int((reciprocal(finite, True) != 1.0 / finite).sum())
+
+
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 def test_pow2_scales_from_bits_are_the_division_rounded_up(fmt):
     """The reference makes a power-of-two scale from amax's bit patterns (no division a compiler could
@@ -95,7 +106,7 @@ def test_pow2_scales_from_bits_are_the_division_rounded_up(fmt):
     (subnormals included) with the mantissas around fmax's, where the scale steps up, their extremes and random
     ones; 0, Inf and NaN. (Every one of the 2^31 FP32 patterns: `_exhaustive_pow2_differences`, run by
     `PYTHONPATH=. python tests/test_quant.py`: none differ, docs/benchmarks.md thirty-seventh session.)"""
-    from fp8train.fp8.quant import compute_scale, reciprocal
+    from fp8train.fp8.quant import compute_scale, reciprocal  # (the step and non-finite checks below)
 
     fmax = FORMATS[fmt][0]
     f = Fp8Format.parse(fmt)
@@ -106,12 +117,7 @@ def test_pow2_scales_from_bits_are_the_division_rounded_up(fmt):
     fp32 = ((torch.arange(256)[:, None] << 23) | mantissas[None, :]).flatten().to(torch.int32).view(torch.float32)
     bf16 = (torch.arange(1 << 15, dtype=torch.int32) << 16).view(torch.float32)  # every BF16 >= 0, Inf and NaNs
     for amax in (fp32, bf16):
-        got, want = compute_scale(amax, f, True), _division_then_pow2(amax, fmax)
-        nan = amax.isnan()
-        assert torch.equal(got[~nan].view(torch.int32), want[~nan].view(torch.int32)) and got[nan].isnan().all()
-        finite = torch.isfinite(got)
-        # the quantize multiplier: exactly 1 / scale by exponent arithmetic (a power of two: no rounding)
-        assert torch.equal(reciprocal(got[finite], True), 1.0 / got[finite])
+        assert _pow2_differences(amax, f) == 0
     steps = torch.tensor([fmax, fmax * (1 + 2.0 ** -23), 0.0, float("inf"), float("nan")])
     assert compute_scale(steps, f, True)[:3].tolist() == [1.0, 2.0, 1.0]  # above fmax's mantissa: one step up
     inv = reciprocal(torch.tensor([float("inf"), float("nan")]), True)
@@ -249,20 +255,12 @@ def test_bad_input_errors():
 
 
 def _exhaustive_pow2_differences() -> dict:
-    """`compute_scale` (power of two) and `reciprocal` against the division for every one of the 2^31
-    non-negative FP32 amax patterns (NaNs: NaN-ness only), both formats: the count of differences (~5 minutes)."""
-    from fp8train.fp8.quant import compute_scale, reciprocal
-
+    """`_pow2_differences` for every one of the 2^31 non-negative FP32 amax patterns, both formats (~5 minutes)."""
     out = {}
     for fmt in ("e4m3", "e5m2"):
-        f, differ = Fp8Format.parse(fmt), 0
-        for start in range(0, 1 << 31, 1 << 25):
-            amax = torch.arange(start, start + (1 << 25), dtype=torch.int64).to(torch.int32).view(torch.float32)
-            got, want, nan = compute_scale(amax, f, True), _division_then_pow2(amax, f.max), amax.isnan()
-            differ += int((got.view(torch.int32) != want.view(torch.int32))[~nan].sum() + (~got[nan].isnan()).sum())
-            finite = got[torch.isfinite(got)]
-            differ += int((reciprocal(finite, True) != 1.0 / finite).sum())
-        out[fmt] = differ
+        f = Fp8Format.parse(fmt)
+        out[fmt] = sum(_pow2_differences(torch.arange(start, start + (1 << 25), dtype=torch.int64).to(torch.int32)
+                                         .view(torch.float32), f) for start in range(0, 1 << 31, 1 << 25))
     return out
 
 
